@@ -1,0 +1,178 @@
+"""One normalised view of a Hugging Face `config.json`, whichever transformers version wrote it.
+
+transformers 4.x writes `torch_dtype`, `rope_theta` and `rope_scaling`; 5.x writes `dtype` and
+`rope_parameters` (holding `rope_theta` too). Real checkpoints use both, so we read both here and
+the model code sees one shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def parse_dtype(value: Any) -> torch.dtype | None:
+    """Turn a config or user dtype (`"bfloat16"`, `"torch.float16"`, `torch.float32`, None) into a torch dtype."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"dtype must be a string or torch.dtype, got {type(value).__name__}")
+    name = value.removeprefix("torch.")
+    if name == "auto":
+        return None
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {value!r} (supported: float32, float16, bfloat16)")
+    return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The architecture facts the model code and the engine need, with HF's raw dict kept."""
+
+    model_type: str
+    """HF `model_type` (the registry key)."""
+    vocab_size: int
+    """Rows of the embedding and the LM head."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the MLP's hidden layer."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Query heads per layer."""
+    num_kv_heads: int
+    """Key/value heads per layer (< num_heads for GQA, 1 for MQA)."""
+    head_dim: int
+    """Per-head width (explicit in Qwen3 configs, else hidden_size // num_heads)."""
+    max_position_embeddings: int
+    """Longest context the checkpoint claims."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of the RMSNorms."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency."""
+    rope_scaling: dict | None = None
+    """Rotary scaling dict (`rope_type` plus its parameters), None for plain rotary."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of head_dim that is rotated."""
+    tie_word_embeddings: bool = False
+    """LM head shares the embedding matrix (the checkpoint may omit `lm_head.weight`)."""
+    attention_bias: bool = False
+    """q/k/v projections carry biases."""
+    mlp_bias: bool = False
+    """MLP projections carry biases."""
+    hidden_act: str = "silu"
+    """Activation of the gated MLP."""
+    layer_sliding_windows: list[int] = field(default_factory=list)
+    """Per layer: sliding-window size, 0 = full attention."""
+    dtype: torch.dtype | None = None
+    """dtype the checkpoint was saved in, None if the config does not say."""
+    eos_token_id: list[int] = field(default_factory=list)
+    """End-of-sequence ids from config.json (generation_config.json may add more)."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence id."""
+    raw: dict = field(default_factory=dict)
+    """The config.json dict as read, for family-specific fields."""
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        """Normalise a config.json dict (4.x or 5.x key names)."""
+        if "model_type" not in raw:
+            raise ValueError("config.json has no 'model_type'")
+        text = raw.get("text_config")
+        if isinstance(text, dict) and "hidden_size" not in raw:
+            raw = {**text, "model_type": raw["model_type"]}
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in raw]
+        if missing:
+            raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
+        num_heads = raw["num_attention_heads"]
+        rope_theta, rope_scaling = _rope_settings(raw)
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            model_type=raw["model_type"],
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw.get("intermediate_size", 4 * raw["hidden_size"]),
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            partial_rotary_factor=(raw.get("rope_parameters") or {}).get(
+                "partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)
+            ),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=raw.get("attention_bias", False),
+            mlp_bias=raw.get("mlp_bias", False),
+            hidden_act=raw.get("hidden_act", "silu"),
+            layer_sliding_windows=_layer_sliding_windows(raw),
+            dtype=parse_dtype(raw.get("dtype", raw.get("torch_dtype"))),
+            eos_token_id=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            raw=raw,
+        )
+
+    @classmethod
+    def from_file(cls, path: str) -> "ModelConfig":
+        """Read and normalise `path` (a config.json)."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+
+def _rope_settings(raw: dict) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from 5.x `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    else:
+        theta = raw.get("rope_theta", 10000.0)
+        scaling = dict(raw["rope_scaling"]) if raw.get("rope_scaling") else {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    scaling["rope_type"] = rope_type
+    return float(theta), scaling
+
+
+def _layer_sliding_windows(raw: dict) -> list[int]:
+    """Sliding-window size per layer (0 = full), following each family's config rules."""
+    num_layers = raw["num_hidden_layers"]
+    window = raw.get("sliding_window") or 0
+    if "use_sliding_window" in raw and not raw["use_sliding_window"]:
+        window = 0
+    layer_types = raw.get("layer_types")
+    if layer_types:
+        return [window if t == "sliding_attention" else 0 for t in layer_types]
+    if "max_window_layers" in raw:
+        # Qwen2/Qwen3: the first max_window_layers layers use full attention.
+        return [window if i >= raw["max_window_layers"] else 0 for i in range(num_layers)]
+    return [window] * num_layers
+
+
+def load_generation_eos(model_dir: str) -> list[int]:
+    """EOS ids from the checkpoint's generation_config.json (empty if absent)."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -1,0 +1,70 @@
+"""Building blocks shared by the model families: norms, merged linears, the gated MLP.
+
+Rotary embeddings live in `rope.py`; paged attention in `fastgen.ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def get_activation(name: str):
+    """The activation function for an HF `hidden_act` name."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r} (supported: {', '.join(sorted(_ACTIVATIONS))})")
+    return _ACTIVATIONS[name]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, as HF's Llama does, then cast back."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension of `x`."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MergedLinear(nn.Linear):
+    """A linear whose output rows concatenate several checkpoint linears (q|k|v, gate|up).
+
+    One matmul instead of several; the loader fills shard `i` at rows
+    `sum(output_sizes[:i]) : sum(output_sizes[:i + 1])`.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+
+
+class GatedMLP(nn.Module):
+    """`down(act(gate(x)) * up(x))` with gate and up merged into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = get_activation(hidden_act)
+        self.intermediate_size = intermediate_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to `x` `[T, hidden]`."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,194 @@
+"""Load a Hugging Face checkpoint directory into one of our model classes.
+
+The module tree is built with its parameters on the meta device (no memory or time spent on
+random initialisation); each safetensors tensor is then read from the memory-mapped file, cast
+to the target dtype and moved to the target device one at a time, so the model never exists as
+a full fp32 copy in RAM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from fastgen.models.config import ModelConfig, load_generation_eos, parse_dtype
+from fastgen.models.registry import get_model_class
+
+# Checkpoint tensors that hold no weights we use (old Llama checkpoints saved rotary tables).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run, with what the engine needs to know about its checkpoint."""
+
+    model: nn.Module
+    """The model, in eval mode, on the target device and dtype."""
+    config: ModelConfig
+    """The normalised config."""
+    model_dir: str
+    """The local checkpoint directory (tokenizer files live here too)."""
+    eos_token_ids: list[int]
+    """EOS ids from generation_config.json, else from config.json."""
+
+
+def resolve_model_dir(model_name_or_path: str) -> str:
+    """A local directory for `model_name_or_path`: the path itself, or the HF cache's snapshot.
+
+    A hub id is only looked up in the local Hugging Face cache, so an offline machine with the
+    model cached works; nothing is downloaded.
+    """
+    if os.path.isdir(model_name_or_path):
+        return model_name_or_path
+    looks_like_path = model_name_or_path.startswith((".", "/", "~")) or model_name_or_path.count("/") > 1
+    if not looks_like_path:
+        from huggingface_hub import snapshot_download
+
+        try:
+            return snapshot_download(model_name_or_path, local_files_only=True)
+        except Exception as exc:  # the hub raises several error types for "not cached"
+            raise FileNotFoundError(
+                f"model {model_name_or_path!r} is neither a local directory nor in the Hugging Face cache "
+                f"({type(exc).__name__}); download it first, e.g. `huggingface-cli download {model_name_or_path}`"
+            ) from exc
+    raise FileNotFoundError(f"model directory {model_name_or_path!r} does not exist")
+
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's safetensors files: from the shard index if there is one."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in names if not os.path.isfile(os.path.join(model_dir, n))]
+        if missing:
+            raise FileNotFoundError(f"{model_dir}: shard(s) named in the index are missing: {', '.join(missing)}")
+        return [os.path.join(model_dir, n) for n in names]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    if any(f.endswith(".bin") for f in os.listdir(model_dir)):
+        raise ValueError(f"{model_dir} holds only PyTorch .bin weights; fastgen loads safetensors (convert with save_pretrained(safe_serialization=True))")
+    raise FileNotFoundError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
+
+
+class _WeightSink:
+    """Places checkpoint tensors into a meta-initialised model, tracking what arrived."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.device = device
+        self.params = dict(model.named_parameters())
+        self.packed = getattr(model, "packed_modules_mapping", {})
+        self.loaded: dict[str, set[int]] = {}
+
+    def _target(self, name: str) -> tuple[str, int | None]:
+        """Our parameter name and shard index for a checkpoint tensor name."""
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.packed:
+                merged, shard = self.packed[part]
+                return ".".join(parts[:i] + [merged] + parts[i + 1 :]), shard
+        return name, None
+
+    def _materialise(self, param_name: str) -> torch.Tensor:
+        """The real tensor behind `param_name`, allocating it the first time."""
+        module_name, _, attr = param_name.rpartition(".")
+        module = self.model.get_submodule(module_name)
+        param = getattr(module, attr)
+        if param.is_meta:
+            param = nn.Parameter(torch.empty(param.shape, dtype=self.dtype, device=self.device), requires_grad=False)
+            setattr(module, attr, param)
+            self.params[param_name] = param
+        return param.data
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy checkpoint tensor `name` into its place (cast and moved), checking its shape."""
+        param_name, shard = self._target(name)
+        if param_name not in self.params:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.model.config.tie_word_embeddings):
+                return
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self.model).__name__}")
+        dest = self._materialise(param_name)
+        if shard is not None:
+            sizes = self.model.get_submodule(param_name.rpartition(".")[0]).output_sizes
+            start = sum(sizes[:shard])
+            dest = dest.narrow(0, start, sizes[shard])
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        self.loaded.setdefault(param_name, set()).add(-1 if shard is None else shard)
+
+    def check_complete(self) -> None:
+        """Raise naming every checkpoint tensor that never arrived."""
+        missing = []
+        for param_name in self.params:
+            module_name, _, attr = param_name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            sizes = getattr(module, "output_sizes", None)
+            expected = set(range(len(sizes))) if sizes is not None else {-1}
+            for shard in sorted(expected - self.loaded.get(param_name, set())):
+                missing.append(self._checkpoint_name(param_name, shard))
+        if missing:
+            raise ValueError(f"checkpoint lacks tensor(s): {', '.join(missing)}")
+
+    def _checkpoint_name(self, param_name: str, shard: int) -> str:
+        """The checkpoint name that would have filled `param_name`'s shard."""
+        if shard < 0:
+            return param_name
+        for ckpt_part, (merged, index) in self.packed.items():
+            if index == shard and f".{merged}." in f".{param_name}":
+                return param_name.replace(merged, ckpt_part)
+        return param_name
+
+
+def load_model(
+    model_name_or_path: str,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> LoadedModel:
+    """Build the model for a checkpoint and load its weights.
+
+    `dtype` None keeps the checkpoint's dtype (fp32 if the config does not say).
+    """
+    model_dir = resolve_model_dir(model_name_or_path)
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    config = ModelConfig.from_file(config_path)
+    model_cls = get_model_class(config.model_type)
+    files = _safetensors_files(model_dir)
+    dtype = parse_dtype(dtype) or config.dtype or torch.float32
+    device = torch.device(device)
+
+    with init_empty_weights(include_buffers=False):
+        model = model_cls(config)
+    # init_empty_weights re-creates every assigned parameter, which unties shared ones: tie again
+    # so the shared weight is expected (and loaded) once.
+    model.tie_weights()
+    sink = _WeightSink(model, dtype, device)
+    handles = [safe_open(path, framework="pt", device="cpu") for path in files]
+    total = sum(len(f.keys()) for f in handles)
+    name = os.path.basename(os.path.normpath(model_dir))
+    with tqdm(total=total, desc=f"loading {name}", unit="tensor", disable=not progress) as bar:
+        for f in handles:
+            for key in f.keys():
+                sink.put(key, f.get_tensor(key))
+                bar.update(1)
+    sink.check_complete()
+    model.tie_weights()
+    model.to(device)
+    model.eval().requires_grad_(False)
+    eos = load_generation_eos(model_dir) or config.eos_token_id
+    return LoadedModel(model=model, config=config, model_dir=model_dir, eos_token_ids=eos)

@@ -1,0 +1,31 @@
+"""HF `model_type` -> model class. Adding an architecture adds one line here."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from torch import nn
+
+from fastgen.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+})
+"""Every supported `model_type` and the class that serves it."""
+
+
+def supported_model_types() -> list[str]:
+    """Sorted list of the `model_type` values fastgen can load."""
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(model_type: str) -> type[nn.Module]:
+    """The class for `model_type`, or a ValueError listing what is supported."""
+    if model_type not in MODEL_REGISTRY:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; fastgen supports: {', '.join(supported_model_types())}"
+        )
+    return MODEL_REGISTRY[model_type]

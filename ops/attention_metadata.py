@@ -1,0 +1,31 @@
+"""The flat, ragged description of one engine step that every attention call reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens come from and where their K/V go.
+
+    A step holds `T` query tokens from `S` sequences, laid out sequence after sequence. Padded
+    entries (added to reach a static bucket shape) have slot -1, an empty query range and a
+    seq_len of 0; attention skips them.
+    """
+
+    slot_mapping: torch.Tensor
+    """int64 `[T]`: KV-cache slot (`block_id * block_size + offset`) of each query token; -1 = padding."""
+    block_tables: torch.Tensor
+    """int32 `[S, max_blocks]`: the KV blocks of each sequence, in order; unused columns are ignored."""
+    seq_lens: torch.Tensor
+    """int32 `[S]`: tokens of each sequence whose K/V exist after this step (cached + new)."""
+    query_start_loc: torch.Tensor
+    """int32 `[S + 1]`: sequence `s` owns query tokens `query_start_loc[s]:query_start_loc[s + 1]`."""
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of sequence rows `S` (padded rows included)."""
+        return self.seq_lens.shape[0]

@@ -1,0 +1,103 @@
+"""Paged attention over a blocked KV cache, as one `torch.library` custom op.
+
+The op both writes this step's K/V into the cache (through `slot_mapping`) and attends each
+sequence's query tokens over its blocks (through `block_tables`). Keeping both inside one opaque
+op lets `torch.compile(fullgraph=True)` fuse everything around it and lets a CUDA graph capture
+the whole step. The implementation here is plain torch: the CPU path and the test oracle for the
+Triton kernel.
+
+KV-cache layout (per layer, K and V separately): `[num_blocks, block_size, num_kv_heads, head_dim]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store `key`/`value` (`[T, num_kv_heads, head_dim]`) at their slots; slot -1 is skipped."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid].to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid].to(v_cache.dtype))
+
+
+def _attend_one(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Causal attention of `q` `[Q, Hq, D]`, the last Q positions, over `k`/`v` `[L, Hkv, D]`."""
+    num_q, num_ctx = q.shape[0], k.shape[0]
+    q_pos = torch.arange(num_ctx - num_q, num_ctx, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(num_ctx, device=q.device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window > 0:
+        # Same rule as transformers' sliding-window overlay: key visible iff q - k < window.
+        mask = mask & (k_pos > q_pos - sliding_window)
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if softcap > 0:
+        group = q.shape[1] // k.shape[1]
+        kh = kh.repeat_interleave(group, dim=0).float()
+        vh = vh.repeat_interleave(group, dim=0).float()
+        scores = torch.matmul(qh.float(), kh.transpose(1, 2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), vh).to(q.dtype)
+    else:
+        out = F.scaled_dot_product_attention(
+            qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True
+        )[0]
+    return out.transpose(0, 1)
+
+
+@torch.library.custom_op("fastgen::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend over each sequence's blocks.
+
+    `query` is `[T, num_q_heads, head_dim]`, `key`/`value` `[T, num_kv_heads, head_dim]`; the
+    metadata is that of `AttentionMetadata`. `sliding_window` 0 means full attention; `softcap`
+    0 means no tanh soft-capping of the scores. Returns `[T, num_q_heads, head_dim]`, zeros for
+    padded tokens.
+    """
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    out = torch.zeros_like(query)
+    block_size = k_cache.shape[1]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[s], starts[s + 1]
+        if seq_len <= 0 or q_end <= q_start:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[s, :num_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        out[q_start:q_end] = _attend_one(query[q_start:q_end], k, v, scale, sliding_window, softcap)
+    return out
+
+
+@paged_attention.register_fake
+def _(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+      sliding_window=0, softcap=0.0):
+    return torch.empty_like(query)

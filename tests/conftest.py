@@ -1,0 +1,20 @@
+"""Shared fixtures: offline mode, the test-kit path, tiny checkpoints built once per session."""
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402
+
+from kit import TINY_CONFIGS, build_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """model_type -> directory of a tiny fp32 checkpoint with tokenizer (built once)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {mt: build_checkpoint(str(root / mt), mt) for mt in TINY_CONFIGS}

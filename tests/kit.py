@@ -1,0 +1,148 @@
+"""Test kit: tiny offline Hugging Face checkpoints for every supported model_type, and a
+minimal paged-KV driver to run our models the way the engine does.
+
+Weights use a large `initializer_range` so logits are far from flat (REFERENCE.md section 3):
+a greedy parity test on flat logits would prove nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from fastgen.ops import AttentionMetadata
+from kit_tokenizer import build_tokenizer
+
+VOCAB = 512
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+# Each entry switches on what is distinctive about the family.
+TINY_CONFIGS: dict[str, tuple[type, dict]] = {
+    "llama": (
+        transformers.LlamaConfig,
+        dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+             rope_theta=500000.0),
+    ),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=12, num_key_value_heads=1)),
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    "qwen3": (
+        transformers.Qwen3Config,
+        dict(head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    ),
+}
+
+
+def _rope_kwargs(cls: type, extra: dict) -> dict:
+    """transformers 5 takes rope settings as `rope_parameters`; 4.x as rope_theta/rope_scaling."""
+    extra = dict(extra)
+    scaling = extra.pop("rope_scaling", None)
+    theta = extra.pop("rope_theta", 10000.0)
+    if "rope_parameters" in cls.__init__.__code__.co_varnames or transformers.__version__ >= "5":
+        params = {"rope_type": "default", "rope_theta": theta}
+        if scaling:
+            params.update(scaling)
+        extra["rope_parameters"] = params
+    else:
+        extra.update(rope_theta=theta, rope_scaling=scaling)
+    return extra
+
+
+def build_checkpoint(path: str, model_type: str, seed: int = 0, **overrides) -> str:
+    """Save a tiny fp32 checkpoint of `model_type` (weights, config, tokenizer) at `path`."""
+    cls, extra = TINY_CONFIGS[model_type]
+    kwargs = {**COMMON, **_rope_kwargs(cls, extra), **overrides}
+    config = cls(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer(VOCAB).save_pretrained(path)
+    return path
+
+
+def rewrite_config(path: str, **changes) -> None:
+    """Edit a saved config.json in place (None deletes a key)."""
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    with open(cfg_path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+
+
+@dataclass
+class PagedSeq:
+    """One sequence driven through the paged KV cache by `PagedRunner`."""
+
+    token_ids: list[int]
+    blocks: list[int]
+    num_computed_tokens: int = 0
+
+
+class PagedRunner:
+    """Drives a model step by step over a paged KV cache, like the engine but without a scheduler.
+
+    Blocks are handed out in a shuffled order so sequences' blocks are not contiguous.
+    """
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int = 256, block_size: int = 8, seed: int = 0) -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        dtype = next(model.parameters()).dtype
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+        self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def add(self, token_ids: list[int]) -> PagedSeq:
+        """A new sequence holding `token_ids`, nothing computed yet."""
+        return PagedSeq(list(token_ids), [])
+
+    @torch.inference_mode()
+    def step(self, chunks: list[tuple[PagedSeq, int]]) -> torch.Tensor:
+        """Compute `n` new tokens for each `(seq, n)`; returns fp32 logits of every new token `[T, V]`."""
+        input_ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
+        for seq, n in chunks:
+            begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            while len(seq.blocks) * self.block_size < end:
+                seq.blocks.append(self.free_blocks.pop())
+            for pos in range(begin, end):
+                input_ids.append(seq.token_ids[pos])
+                positions.append(pos)
+                slots.append(seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+            seq_lens.append(end)
+            starts.append(starts[-1] + n)
+        max_blocks = max(len(seq.blocks) for seq, _ in chunks)
+        tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
+        for i, (seq, _) in enumerate(chunks):
+            tables[i, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=tables,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        )
+        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), md, self.kv_caches)
+        for seq, n in chunks:
+            seq.num_computed_tokens += n
+        return self.model.compute_logits(hidden)
