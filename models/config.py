@@ -144,7 +144,9 @@ def _rope_settings(raw: dict) -> tuple[float, dict | None]:
     else:
         theta = raw.get("rope_theta", 10000.0)
         scaling = dict(raw["rope_scaling"]) if raw.get("rope_scaling") else {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    # 4.x configs may name the kind `type`; keep only `rope_type` so both formats give one dict.
+    legacy_type = scaling.pop("type", "default")
+    rope_type = scaling.pop("rope_type", legacy_type)
     if rope_type == "default":
         return float(theta), None
     scaling["rope_type"] = rope_type

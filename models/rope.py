@@ -8,7 +8,7 @@ Forward only gathers rows by position, so its shapes are static and it compiles 
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -87,7 +87,7 @@ def _yarn_inv_freq(
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # HF's guard against a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
@@ -101,7 +101,7 @@ def _longrope_ext_factors(params: Mapping[str, Any], key: str, dim: int) -> torc
         raise ValueError(f"rope_scaling[{key!r}] must list rotary_dim // 2 = {dim // 2} numbers, got {values!r}")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
         raise ValueError(f"rope_scaling[{key!r}] must hold positive numbers, got {values!r}")
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor(values, dtype=torch.float32, device="cpu")
 
 
 def _angles(
@@ -115,7 +115,7 @@ def _angles(
     """Rotation angles `[cache_len, dim // 2]` (fp32) and the attention factor for one rope type."""
     factor = 1.0
     original_max = _number(params, "original_max_position_embeddings", rope_type, max_position)
-    inv_freq, attention_factor = None, 1.0
+    attention_factor = 1.0
     if rope_type == "default":
         inv_freq = _inv_freq(base, dim)
     elif rope_type == "linear":
@@ -185,7 +185,7 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = cos_sin_cache.shape[1]
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "RotaryEmbedding":
         # `model.to(torch.bfloat16)` would round the cache; let it follow the device but keep its dtype.
         cache = self.cos_sin_cache
         super()._apply(fn, recurse)
@@ -206,7 +206,7 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x_rot.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
         if self.rotary_dim < self.head_dim:
-            out = torch.cat((out, 0 * x[..., self.rotary_dim :]), dim=-1)
+            out = torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
         return out
 
     def forward(

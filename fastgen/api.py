@@ -1,0 +1,125 @@
+"""The notebook API, MII-compatible: `fastgen.pipeline(model)(prompts, **gen) -> list[Response]`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Sequence as Seq
+
+from fastgen.config import EngineConfig
+from fastgen.engine import Engine
+from fastgen.outputs import Response
+from fastgen.sampling_params import SamplingParams
+
+Prompts = str | Seq[str] | Seq[Seq[int]]
+
+
+def _normalise_prompts(prompts: Prompts) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        raise TypeError("a flat list of ints is ambiguous: pass token ids as a list of lists, e.g. [[1, 2, 3]]")
+    return [p if isinstance(p, str) else list(p) if isinstance(p, (list, tuple)) else p for p in prompts]
+
+
+class Pipeline:
+    """A loaded engine you call with prompts; `destroy()` frees it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine: Engine | None = engine
+
+    @property
+    def engine(self) -> Engine:
+        """The engine; raises once the pipeline is destroyed."""
+        if self._engine is None:
+            raise RuntimeError("this pipeline was destroyed; create a new one with fastgen.pipeline()")
+        return self._engine
+
+    @property
+    def tokenizer(self):
+        """The model's Hugging Face tokenizer."""
+        return self.engine.tokenizer
+
+    def _submit(self, prompts: Prompts, gen: dict[str, Any]):
+        engine = self.engine
+        params = SamplingParams.from_kwargs(**gen)
+        items = _normalise_prompts(prompts)
+        encoded = [engine.encode_prompt(p) for p in items]  # validate all before queueing any
+        request_ids = []
+        try:
+            for ids in encoded:
+                request_ids.append(engine.add_request(ids, params))
+        except Exception:
+            for rid in request_ids:
+                engine.abort(rid)
+            raise
+        return request_ids, [engine.sequences(rid) for rid in request_ids]
+
+    def __call__(self, prompts: Prompts, **gen: Any) -> list[Response]:
+        """Generate for every prompt; one Response per prompt (n per prompt with `n>1`), in input order."""
+        request_ids, groups = self._submit(prompts, gen)
+        engine = self.engine
+        try:
+            while any(rid in engine.requests for rid in request_ids):
+                engine.step()
+        except BaseException:
+            for rid in request_ids:
+                engine.abort(rid)
+            raise
+        out = []
+        for prompt_index, seqs in enumerate(groups):
+            for seq in seqs:
+                response = engine.final_response(seq)
+                response.prompt_index = prompt_index
+                out.append(response)
+        return out
+
+    def stream(self, prompts: Prompts, **gen: Any) -> Iterator[Response]:
+        """Yield text deltas as they are produced, for one or many prompts (see `Response.prompt_index`).
+
+        Closing the generator early aborts the unfinished requests.
+        """
+        request_ids, _ = self._submit(prompts, gen)
+        index_of = {rid: i for i, rid in enumerate(request_ids)}
+        engine = self.engine
+        rids = set(request_ids)
+        try:
+            while any(rid in engine.requests for rid in request_ids):
+                for delta in self._step_for(rids, index_of):
+                    yield delta
+        finally:
+            for rid in request_ids:
+                engine.abort(rid)
+
+    def _step_for(self, rids: set[str], index_of: dict[str, int]) -> list[Response]:
+        engine = self.engine
+        deltas = []
+        for delta in engine.step():
+            if delta.request_id in rids:
+                delta.prompt_index = index_of[delta.request_id]
+                deltas.append(delta)
+        return deltas
+
+    def destroy(self) -> None:
+        """Free the model and KV cache; later calls raise."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+
+def pipeline(model_name_or_path: str | None = None, **config: Any) -> Pipeline:
+    """Load a model (None = the bundled demo model) and return a callable `Pipeline`.
+
+    Keywords are `EngineConfig` fields (`dtype`, `device`, `max_length`, `token_budget`, `max_seqs`,
+    `block_size`, `num_kv_blocks`, `kv_cache_memory`, `enable_prefix_caching`, `seed`, ...).
+    """
+    return Pipeline(Engine(EngineConfig.from_kwargs(model_name_or_path, **config)))

@@ -1,0 +1,302 @@
+"""The engine: requests in, one Dynamic SplitFuse step at a time, tokens and text out.
+
+`Engine` is synchronous and single-threaded (a notebook calls `step()` in a loop); the server
+drives the same object from one background thread (`engine_loop.py`). Requests are validated
+completely in `add_request` before any state changes, so a bad request raises and every other
+request keeps going.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Sequence as Seq
+
+import torch
+
+from fastgen.block_manager import BlockManager
+from fastgen.config import EngineConfig
+from fastgen.detokenizer import TextStream
+from fastgen.model_runner import ModelRunner, available_memory, kv_bytes_per_block
+from fastgen.models.loader import load_model
+from fastgen.outputs import Response
+from fastgen.sampler import Sampler, SamplingMetadata, make_generator
+from fastgen.sampling_params import SamplingParams
+from fastgen.scheduler import Scheduler
+from fastgen.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("fastgen")
+
+DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+"""The small Llama-architecture model shipped inside the package (used when no model is named)."""
+
+
+def _choose_device(requested: str | None) -> torch.device:
+    if requested is not None:
+        device = torch.device(requested)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {requested!r} requested but CUDA is not available")
+        return device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Engine:
+    """Owns model, KV cache, scheduler and sampler; turns requests into `Response` deltas."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _choose_device(config.device)
+        dtype = config.dtype
+        loaded = load_model(config.model or DEMO_MODEL_DIR, dtype=dtype, device=self.device, progress=config.progress)
+        model_dtype = next(loaded.model.parameters()).dtype
+        if dtype is None and self.device.type == "cpu" and model_dtype == torch.float16:
+            # This CPU class has no fast fp16 matmul; bf16 keeps the range and runs ~100x faster.
+            loaded.model.to(torch.bfloat16)
+            model_dtype = torch.bfloat16
+        self.dtype = model_dtype
+        self.model_config = loaded.config
+        self.model_dir = loaded.model_dir
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(loaded.model_dir)
+        if self.tokenizer.eos_token_id is not None and not self.eos_token_ids:
+            self.eos_token_ids = {self.tokenizer.eos_token_id}
+        self.vocab_size = self.model_config.vocab_size
+
+        head_dim = self.model_config.head_dim
+        self.block_size = config.block_size or (128 if head_dim <= 64 else 64)
+        model_max = self.model_config.max_position_embeddings
+        if config.max_length is not None and config.max_length > model_max:
+            raise ValueError(f"max_length {config.max_length} exceeds the model's context of {model_max} tokens")
+        wanted_len = config.max_length or model_max
+        num_blocks = self._num_kv_blocks(loaded.model, wanted_len)
+        self.max_model_len = min(wanted_len, num_blocks * self.block_size)
+        self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, self.block_size, self.device, self.dtype)
+        self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.token_budget, config.max_seqs)
+        self.sampler = Sampler()
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._request_ids = itertools.count()
+        self.requests: dict[str, list[Sequence]] = {}
+        logger.info("fastgen engine: %s on %s, %s, %d KV blocks of %d tokens, max_model_len %d",
+                    self.model_dir, self.device, self.dtype, num_blocks, self.block_size, self.max_model_len)
+
+    def _num_kv_blocks(self, model: torch.nn.Module, max_len: int) -> int:
+        """KV blocks from the config, or from free memory after the weights are in place."""
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        if isinstance(cfg.kv_cache_memory, int):
+            budget = cfg.kv_cache_memory
+        else:
+            default_fraction = 0.9 if self.device.type == "cuda" else 0.2
+            budget = int(available_memory(self.device) * (cfg.kv_cache_memory or default_fraction))
+        # More than every seat filled to full length can never be used.
+        useful = cfg.max_seqs * -(-max_len // self.block_size)
+        num_blocks = min(budget // per_block, useful)
+        if num_blocks < 1:
+            raise ValueError(f"KV-cache memory {budget} bytes holds no block of {per_block} bytes; raise kv_cache_memory")
+        return num_blocks
+
+    # Requests -------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
+        """Token ids of a text prompt, or validated ids of a token-id prompt."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        else:
+            raise TypeError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        return ids
+
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; returns its id. Raises before changing any state."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self.encode_prompt(prompt)
+        max_len = min(params.max_length or self.max_model_len, self.max_model_len)
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_length is {max_len}: nothing is left to generate "
+                f"(the engine holds at most {self.max_model_len} tokens per sequence)"
+            )
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids contains {bad_stop[0]}, outside the vocabulary [0, {self.vocab_size})")
+        request_id = request_id if request_id is not None else str(next(self._request_ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = next(self._arrivals)
+        seqs = []
+        for index in range(params.n):
+            seed = None if params.seed is None else (params.seed + 7919 * index) % (2**63)
+            seq = Sequence(next(self._seq_ids), request_id, ids, params, arrival, index,
+                           make_generator(seed, self.device) if not params.greedy else None)
+            seq.stream = TextStream(self.tokenizer, ids, params.stop)
+            seqs.append(seq)
+        # The other choices start once the first has computed the prompt, sharing its KV blocks.
+        seqs[0].children = seqs[1:]
+        self.requests[request_id] = seqs
+        self.scheduler.add(seqs[0])
+        return request_id
+
+    def abort(self, request_id: str) -> list[Response]:
+        """Stop a request now and free its KV blocks; returns its final responses (unknown id: [])."""
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return []
+        out = []
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+            out.append(self._delta(seq, "", [], None))
+        return out
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.requests)
+
+    # Stepping -------------------------------------------------------------------------------
+
+    def step(self) -> list[Response]:
+        """Run one SplitFuse step; return a delta per sequence that produced a token or finished."""
+        batch = self.scheduler.schedule()
+        if not batch.chunks:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress although requests are pending (KV cache too small?)")
+            return []
+        logits = self.runner.execute(batch.chunks, self.block_manager)
+        to_sample = []
+        for seq, num_new in batch.chunks:
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens == seq.num_tokens:
+                to_sample.append(seq)
+                if seq.children and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    self.scheduler.fork_children(seq)
+        if not to_sample:
+            return []
+        tokens, logprobs = self._sample(logits, to_sample)
+        outputs = []
+        for row, (seq, token) in enumerate(zip(to_sample, tokens)):
+            outputs.append(self._append_token(seq, token, None if logprobs is None else logprobs[row]))
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """Next token per sequence (one host sync), and per-row logprob dicts when asked."""
+        self._suppress_stop_tokens(logits, seqs)
+        params = [s.params for s in seqs]
+        md = SamplingMetadata.build(
+            params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+            [s.generator for s in seqs], self.vocab_size, self.device,
+        )
+        out = self.sampler(logits, md)
+        tokens = out.sampled_token_ids.tolist()
+        if out.logprobs is None:
+            return tokens, None
+        lp, ids = out.logprobs.tolist(), out.logprob_token_ids.tolist()
+        rows = []
+        for seq, lp_row, id_row in zip(seqs, lp, ids):
+            n = seq.params.logprobs
+            rows.append(None if n is None else dict(zip(id_row[: 1 + n], lp_row[: 1 + n])))
+        return tokens, rows
+
+    def _suppress_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Mask EOS and stop token ids of sequences that have not reached `min_new_tokens`."""
+        rows, cols = [], []
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if len(seq.output_token_ids) >= p.min_new_tokens:
+                continue
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            for token in banned:
+                if token < logits.shape[1]:
+                    rows.append(row)
+                    cols.append(token)
+        if rows:
+            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> Response:
+        """Add a sampled token, update text, apply stop rules; returns the delta."""
+        seq.output_token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        p = seq.params
+        generated = len(seq.output_token_ids)
+        reason = None
+        text = ""
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        else:
+            text, stopped = seq.stream.append(token)
+            if stopped:
+                reason = "stop"
+        max_len = min(p.max_length or self.max_model_len, self.max_model_len)
+        if reason is None and (seq.num_tokens >= max_len or (p.max_new_tokens is not None and generated >= p.max_new_tokens)):
+            reason = "length"
+        if reason is not None:
+            tail, _ = seq.stream.finish()
+            text += tail
+            self.scheduler.finish(seq, reason)
+            self._forget_if_done(seq.request_id)
+        return self._delta(seq, text, [token], logprobs)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self.requests.get(request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self.requests[request_id]
+
+    def _delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs: dict[int, float] | None) -> Response:
+        return Response(
+            generated_text=text,
+            prompt_length=seq.num_prompt_tokens,
+            generated_length=len(seq.output_token_ids),
+            finish_reason=seq.finish_reason if seq.status is SequenceStatus.FINISHED else "none",
+            token_ids=token_ids,
+            logprobs=None if logprobs is None else [logprobs],
+            index=seq.index,
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+            request_id=seq.request_id,
+        )
+
+    def final_response(self, seq: Sequence) -> Response:
+        """The whole completion of a finished (or aborted) sequence."""
+        text = seq.stream.text
+        if seq.params.return_full_text:
+            text = self.tokenizer.decode(seq.prompt_token_ids, skip_special_tokens=True) + text
+        return Response(
+            generated_text=text,
+            prompt_length=seq.num_prompt_tokens,
+            generated_length=len(seq.output_token_ids),
+            finish_reason=seq.finish_reason or "none",
+            token_ids=list(seq.output_token_ids),
+            logprobs=seq.logprobs,
+            index=seq.index,
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+            request_id=seq.request_id,
+        )
+
+    def sequences(self, request_id: str) -> list[Sequence]:
+        """The sequences (choices) of a live request."""
+        return self.requests[request_id]
+
+    def shutdown(self) -> None:
+        """Abort everything and drop the model and KV cache so their memory can be freed."""
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,38 @@
+"""What a caller gets back: MII's `Response`, plus token ids and logprobs when asked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Response:
+    """One completion (or, while streaming, one delta of it).
+
+    `str(response)` is the text, as in MII.
+    """
+
+    generated_text: str
+    """The generated text (the delta while streaming); with `return_full_text`, prompt + generated."""
+    prompt_length: int
+    """Prompt tokens."""
+    generated_length: int
+    """Generated tokens so far (all of them, not just this delta)."""
+    finish_reason: str
+    """"stop" (EOS, stop string or stop token), "length" (max_new_tokens/max_length), "abort",
+    or "none" for a streamed delta that is not the last."""
+    token_ids: list[int]
+    """Generated token ids (this delta's while streaming)."""
+    logprobs: list[dict[int, float]] | None = None
+    """Per generated token, {token_id: logprob} for the chosen token and the top-N, if asked."""
+    index: int = 0
+    """Which of the request's `n` completions this is."""
+    prompt_index: int = 0
+    """Position of the prompt in the caller's list."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+    request_id: str = ""
+    """The engine's id of the request this completion belongs to."""
+
+    def __str__(self) -> str:
+        return self.generated_text

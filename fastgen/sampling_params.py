@@ -1,0 +1,238 @@
+"""Generation parameters of one request, validated once when the request arrives.
+
+The names and defaults are DeepSpeed-MII's, so `pipe(prompts, **gen)` calls written for MII keep
+working; the fields MII lacked follow vLLM/OpenAI. MII's known faults are fixed here on purpose:
+`min_new_tokens` counts generated tokens only, `ignore_eos` never disables `stop`, and temperature
+is applied before top-k/top-p, as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+MAX_LOGPROBS = 20
+"""Largest `logprobs` a request may ask for (OpenAI's `top_logprobs` limit)."""
+
+MAX_N = 64
+"""Largest `n` (completions per prompt) a request may ask for."""
+
+MAX_SEED = 2**64 - 1
+"""Largest seed `torch.Generator.manual_seed` accepts."""
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def _check_int(name: str, value: Any) -> int:
+    # bool is an int subclass, but `top_k=True` is a caller's mistake, not a 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    # JSON and gRPC clients often send whole numbers as floats (50.0): accept those only.
+    if not math.isfinite(value) or value != int(value):
+        raise TypeError(f"{name} must be an int, got {value!r} (not a whole number)")
+    return int(value)
+
+
+def _check_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} ({value!r})")
+    return float(value)
+
+
+def _format_bound(bound: float) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
+def _check_range(name: str, value: float, low: float | None, high: float | None, *,
+                 low_open: bool = False) -> None:
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high or not math.isfinite(value):
+        left = "(" if low_open else "["
+        lo = "-inf" if low is None else _format_bound(low)
+        hi = "inf)" if high is None else f"{_format_bound(high)}]"
+        raise ValueError(f"{name} must be in {left}{lo}, {hi}, got {value!r}")
+
+
+def _check_sequence(name: str, value: Any, what: str) -> tuple:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {what}, got {type(value).__name__} ({value!r})")
+    return tuple(value)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to generate for one request: stopping rules, sampling warpers, penalties, logprobs.
+
+    Construct directly or with `SamplingParams.from_kwargs(**gen)`; every field is checked on
+    construction and a bad value raises `ValueError` (wrong range) or `TypeError` (wrong type)
+    naming the field. Assigning a field afterwards is not re-validated: use
+    `dataclasses.replace`, which is.
+    """
+
+    max_length: int | None = None
+    """Cap on prompt + generated tokens; None = the model's maximum length. The engine rejects a
+    prompt whose length is >= max_length."""
+
+    max_new_tokens: int | None = None
+    """Cap on generated tokens (>= 1); None = whatever `max_length` leaves after the prompt."""
+
+    min_new_tokens: int = 0
+    """EOS and stop token ids are suppressed until this many tokens are generated (generated
+    tokens only, unlike MII which compared it with prompt + generated length)."""
+
+    ignore_eos: bool = False
+    """Keep generating past the EOS token. Affects EOS only: `stop` and `stop_token_ids` still
+    apply (MII disabled `stop` too)."""
+
+    do_sample: bool = True
+    """Sample from the processed distribution; False = greedy (argmax of the penalised logits)."""
+
+    temperature: float = 1.0
+    """Logits are divided by this before top-k/top-p (Hugging Face's order). 0 = greedy, as in
+    OpenAI and vLLM. None on input means 1.0 (MII's default)."""
+
+    top_k: int = 0
+    """Keep only the k most likely tokens (ties with the k-th kept, as Hugging Face does);
+    0 = off. None on input means 0 (MII's default)."""
+
+    top_p: float = 0.9
+    """Nucleus sampling: keep the smallest set of most likely tokens whose probability reaches
+    top_p (at least one token is kept); 1.0 = off. 0.9 is MII's default."""
+
+    stop: tuple[str, ...] = ()
+    """Stop strings, matched on the detokenized text; the output is cut before the stop string and
+    EOS still stops generation. A str or a list/tuple of non-empty str on input."""
+
+    return_full_text: bool = False
+    """Prefix the prompt text to `generated_text` in the response."""
+
+    seed: int | None = None
+    """Seed of this request's own random generator, so its samples do not depend on what else is
+    batched with it; None = the engine's shared generator."""
+
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that stop generation (the token is kept in the output ids), besides EOS."""
+
+    repetition_penalty: float = 1.0
+    """Hugging Face's repetition penalty (> 0) over prompt and generated tokens: a seen token's
+    positive logit is divided by it, a negative one multiplied; 1.0 = off."""
+
+    presence_penalty: float = 0.0
+    """OpenAI's presence penalty in [-2, 2]: subtracted once from the logit of every token already
+    generated (prompt tokens do not count)."""
+
+    frequency_penalty: float = 0.0
+    """OpenAI's frequency penalty in [-2, 2]: subtracted from a token's logit once per time it has
+    been generated (prompt tokens do not count)."""
+
+    logprobs: int | None = None
+    """None = no logprobs; 0 = the chosen token's logprob; N (<= 20) = also the top-N tokens'.
+    Logprobs are of the raw model distribution (before penalties and temperature)."""
+
+    n: int = 1
+    """Number of completions to generate for the prompt (1..64)."""
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None:
+            self.max_length = _check_int("max_length", self.max_length)
+            _check_range("max_length", self.max_length, 1, None)
+        if self.max_new_tokens is not None:
+            self.max_new_tokens = _check_int("max_new_tokens", self.max_new_tokens)
+            _check_range("max_new_tokens", self.max_new_tokens, 1, None)
+        self.min_new_tokens = _check_int("min_new_tokens", self.min_new_tokens)
+        _check_range("min_new_tokens", self.min_new_tokens, 0, None)
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
+                             f"({self.max_new_tokens})")
+        if self.max_length is not None and self.min_new_tokens >= self.max_length:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be < max_length "
+                             f"({self.max_length}), which also counts the prompt")
+
+        self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
+        self.do_sample = _check_bool("do_sample", self.do_sample)
+        self.return_full_text = _check_bool("return_full_text", self.return_full_text)
+
+        self.temperature = 1.0 if self.temperature is None else _check_float(
+            "temperature", self.temperature)
+        _check_range("temperature", self.temperature, 0.0, None)
+        self.top_k = 0 if self.top_k is None else _check_int("top_k", self.top_k)
+        _check_range("top_k", self.top_k, 0, None)
+        self.top_p = _check_float("top_p", self.top_p)
+        _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+
+        self.stop = self._normalise_stop(self.stop)
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed)
+            _check_range("seed", self.seed, 0, MAX_SEED)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs)
+            _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self.n = _check_int("n", self.n)
+        _check_range("n", self.n, 1, MAX_N)
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        items = (stop,) if isinstance(stop, str) else _check_sequence("stop", stop, "str")
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                raise TypeError(f"stop[{i}] must be a str, got {type(item).__name__} ({item!r})")
+            if not item:
+                raise ValueError(f"stop[{i}] must be a non-empty string, got ''")
+        return items
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: Any) -> tuple[int, ...]:
+        if ids is None:
+            return ()
+        items = _check_sequence("stop_token_ids", ids, "int")
+        checked = []
+        for i, item in enumerate(items):
+            token_id = _check_int(f"stop_token_ids[{i}]", item)
+            _check_range(f"stop_token_ids[{i}]", token_id, 0, None)
+            checked.append(token_id)
+        return tuple(checked)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax of the (penalised) logits."""
+        return not self.do_sample or self.temperature == 0.0
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The supported generation parameter names, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> SamplingParams:
+        """Build from keyword arguments as `pipe(prompts, **gen)` receives them.
+
+        Raises `TypeError` for a keyword that is not a generation parameter (MII silently
+        ignored typos such as `max_new_token`).
+        """
+        names = cls.field_names()
+        for key in kwargs:
+            if key not in names:
+                raise TypeError(f"unknown generation parameter {key!r} "
+                                f"(supported: {', '.join(names)})")
+        return cls(**kwargs)

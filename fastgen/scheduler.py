@@ -1,0 +1,162 @@
+"""Dynamic SplitFuse scheduling: one token budget per step, decodes first, prompts fill the rest.
+
+Every step spends at most `token_budget` tokens over at most `max_seqs` sequences:
+1. one token for every running sequence that is decoding, oldest first;
+2. the rest of the budget goes to sequences that still have uncomputed tokens (prompt chunks,
+   or the whole history of a preempted sequence), running ones first, then waiting ones in
+   arrival order; the last chunk is cut to fill the budget exactly.
+Long prompts are thus split across steps and short ones fused into one, so every step costs
+about the same and decode latency stays steady (FastGen's Dynamic SplitFuse).
+
+When the KV cache is full, the newest running sequence is preempted: its blocks are freed and
+it goes back to the head of the waiting queue to be recomputed later (its generated tokens are
+kept, so its output does not change). New requests are never admitted by preempting others,
+so the oldest request always makes progress: nothing starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from fastgen.block_manager import BlockManager
+from fastgen.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """What one step computes: `(seq, num_new_tokens)` pairs, decodes first."""
+
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+    """Each sequence and how many of its uncomputed tokens this step computes."""
+    preempted: list[Sequence] = field(default_factory=list)
+    """Sequences preempted while building this batch (their KV was freed)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed by this step."""
+        return sum(n for _, n in self.chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences are computed."""
+
+    def __init__(self, block_manager: BlockManager, token_budget: int, max_seqs: int) -> None:
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        if not 1 <= max_seqs <= token_budget:
+            raise ValueError(f"max_seqs must be in [1, token_budget={token_budget}], got {max_seqs}")
+        self.block_manager = block_manager
+        self.token_budget = token_budget
+        self.max_seqs = max_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (arrival order)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """Build the next step's batch within the token budget and `max_seqs`."""
+        batch = ScheduledBatch()
+        budget = self.token_budget
+        scheduled: set[int] = set()
+        # Decodes before chunks; among each, oldest first, so the newest is the one preempted.
+        running = sorted(self.running, key=lambda s: (s.num_pending_tokens > 1, s.arrival))
+        for seq in running:
+            if budget == 0 or len(batch.chunks) == self.max_seqs:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_pending_tokens, budget)
+            if not self._allocate_or_preempt(seq, num_new, scheduled, batch):
+                continue
+            batch.chunks.append((seq, num_new))
+            scheduled.add(seq.seq_id)
+            budget -= num_new
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
+        """Get KV blocks for `seq`, preempting the newest unscheduled running sequences if needed.
+
+        Returns False if `seq` itself had to be preempted.
+        """
+        target = seq.num_computed_tokens + num_new
+        while not self.block_manager.allocate(seq.seq_id, seq.token_ids, target):
+            victims = [s for s in self.running if s.seq_id not in scheduled and s.status is SequenceStatus.RUNNING]
+            victim = max(victims, key=lambda s: s.arrival)
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Start waiting sequences in arrival order while budget, seats and blocks last."""
+        while self.waiting and budget > 0 and len(batch.chunks) < self.max_seqs:
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0:
+                cached = self.block_manager.match_prefix(seq.seq_id, seq.token_ids)
+                seq.num_computed_tokens = cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_prompt_tokens = cached
+            num_new = min(seq.num_pending_tokens, budget)
+            if not self.block_manager.allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new):
+                # Keep the prefix hit for the next try would pin blocks while waiting: let go.
+                self.block_manager.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.chunks.append((seq, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Free `seq`'s KV and put it back at the head of the queue to be recomputed."""
+        self.block_manager.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def fork_children(self, parent: Sequence) -> list[Sequence]:
+        """Start `parent`'s n-1 sibling choices, sharing its prompt's full KV blocks.
+
+        Called once the parent's prompt KV exists. Each child recomputes only the prompt tail that
+        sits in the parent's partly filled last block, then samples its own first token.
+        """
+        started = []
+        for child in parent.children:
+            child.num_computed_tokens = self.block_manager.fork(parent.seq_id, child.seq_id, child.num_prompt_tokens)
+            child.num_cached_prompt_tokens = child.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+            started.append(child)
+        parent.children = []
+        return started
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark `seq` finished (or aborted) and release its blocks and its unstarted children."""
+        for child in seq.children:
+            child.status = SequenceStatus.FINISHED
+            child.finish_reason = reason
+        seq.children = []
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,90 @@
+"""One generation stream: its tokens, how many have KV in the cache, and why it finished.
+
+There is no prefill/decode phase: a sequence simply has tokens whose KV is not computed yet
+(`num_tokens - num_computed_tokens`), whether they come from the prompt, from a preemption
+that threw its KV away, or from the last sampled token.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from fastgen.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens and bookkeeping of one output stream (one of a request's `n` choices)."""
+
+    __slots__ = (
+        "seq_id", "request_id", "index", "arrival", "params", "prompt_token_ids", "output_token_ids",
+        "num_computed_tokens", "status", "finish_reason", "generator", "logprobs", "stream", "text",
+        "children", "num_cached_prompt_tokens", "num_preemptions",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: int,
+        index: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.arrival = arrival
+        self.params = params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.generator = generator
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.stream: Any = None
+        self.text = ""
+        self.children: list[Sequence] = []
+        self.num_cached_prompt_tokens = 0
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt plus generated tokens, as one list (a copy)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV is not in the cache yet."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """True once a stop condition, the length limit or an abort ended it."""
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")
