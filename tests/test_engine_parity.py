@@ -1,0 +1,66 @@
+"""The whole engine vs Hugging Face greedy generation, under pressure.
+
+32+ prompts from 1 token to several times the token budget, submitted together, with a KV cache
+small enough to force preemption and a group of prompts sharing a prefix (prefix-cache hits):
+every output must equal HF's greedy tokens and the logprobs must be close to HF's.
+"""
+
+import pydoc_data.topics
+import pytest
+import torch
+import transformers
+
+from fastgen import EngineConfig, SamplingParams
+from fastgen.engine import Engine
+from kit import TINY_CONFIGS
+
+NUM_NEW = 24
+TOKEN_BUDGET = 16
+
+
+def _workload(tokenizer) -> list[list[int]]:
+    text = " ".join(pydoc_data.topics.topics[k] for k in ("if", "while", "for", "try"))
+    ids = tokenizer.encode(text)
+    lengths = [1, 2, 3, 5, 8, 13, 21, 34, 55, 64] * 3
+    prompts = [ids[i * 11 : i * 11 + n] for i, n in enumerate(lengths)]
+    shared = ids[400:420]
+    prompts += [shared + ids[500 + 7 * i : 503 + 7 * i] for i in range(4)]
+    return prompts
+
+
+def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False, output_logits=True,
+                      return_dict_in_generate=True, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    logprobs = torch.log_softmax(torch.stack(out.logits, dim=1)[0].float(), dim=-1)
+    return out.sequences[0, len(prompt):].tolist(), logprobs
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+def test_engine_greedy_equals_hf_with_preemption_and_prefix_hits(model_type, tiny_checkpoints):
+    path = tiny_checkpoints[model_type]
+    engine = Engine(EngineConfig(model=path, num_kv_blocks=40, block_size=4, token_budget=TOKEN_BUDGET,
+                                 max_seqs=8, progress=False))
+    engine.eos_token_ids = set()  # compare full-length outputs, whatever EOS the random model hits
+    prompts = _workload(engine.tokenizer)
+    assert len(prompts) >= 32 and max(map(len, prompts)) >= 3 * TOKEN_BUDGET
+    params = SamplingParams(do_sample=False, max_new_tokens=NUM_NEW, logprobs=1)
+    seqs = [engine.sequences(engine.add_request(p, params))[0] for p in prompts]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        assert steps < 2000
+    assert sum(s.num_preemptions for s in seqs) > 0, "the KV cache was meant to force preemption"
+    assert sum(s.num_cached_prompt_tokens for s in seqs[-4:]) > 0, "the shared prefix was meant to hit the cache"
+    assert engine.block_manager.num_free_blocks == 40
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    for prompt, seq in zip(prompts, seqs):
+        expected, hf_logprobs = _hf_greedy(hf, prompt)
+        assert seq.output_token_ids == expected
+        assert seq.finish_reason == "length"
+        ours = torch.tensor([lp[tok] for lp, tok in zip(seq.logprobs, expected)])
+        theirs = hf_logprobs[torch.arange(NUM_NEW), torch.tensor(expected)]
+        torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3)
