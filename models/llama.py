@@ -16,7 +16,7 @@ from torch import nn
 from fastgen.models.config import ModelConfig
 from fastgen.models.layers import GatedMLP, MergedLinear, RMSNorm
 from fastgen.models.rope import build_rotary_embedding
-from fastgen.ops import AttentionMetadata, paged_attention
+from fastgen.ops import AttentionMetadata, attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -58,12 +58,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotary[0](positions, q, k)
-        out = paged_attention(
-            q, k, v, kv_cache[0], kv_cache[1],
-            attn_metadata.slot_mapping, attn_metadata.block_tables,
-            attn_metadata.seq_lens, attn_metadata.query_start_loc,
-            self.scale, self.sliding_window, 0.0,
-        )
+        out = attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 

@@ -24,6 +24,9 @@ class AttentionMetadata:
     """int32 `[S]`: tokens of each sequence whose K/V exist after this step (cached + new)."""
     query_start_loc: torch.Tensor
     """int32 `[S + 1]`: sequence `s` owns query tokens `query_start_loc[s]:query_start_loc[s + 1]`."""
+    backend: str = "auto"
+    """Attention implementation: "auto" (by device: Triton on CUDA, torch on CPU), "torch" or "triton".
+    A plain string, so torch.compile specialises on it instead of guarding on tensors."""
 
     @property
     def num_seqs(self) -> int:

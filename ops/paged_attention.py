@@ -11,8 +11,17 @@ KV-cache layout (per layer, K and V separately): `[num_blocks, block_size, num_k
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from fastgen.ops.attention_metadata import AttentionMetadata
+
+
+# Every token's K/V is written before any sequence attends: a sequence admitted with a prefix-cache
+# hit may read blocks that another sequence of the same step is filling right now.
 
 
 def write_kv_cache(
@@ -95,6 +104,26 @@ def paged_attention(
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         out[q_start:q_end] = _attend_one(query[q_start:q_end], k, v, scale, sliding_window, softcap)
     return out
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    attn_metadata: "AttentionMetadata",
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """What model code calls: paged attention of one layer through `attn_metadata.backend`."""
+    if attn_metadata.backend not in ("auto", "torch"):
+        raise ValueError(f"unknown attention backend {attn_metadata.backend!r} (supported: auto, torch)")
+    md = attn_metadata
+    return paged_attention(
+        query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping, md.block_tables, md.seq_lens,
+        md.query_start_loc, scale, sliding_window, softcap,
+    )
 
 
 @paged_attention.register_fake
