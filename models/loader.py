@@ -45,8 +45,9 @@ def resolve_model_dir(model_name_or_path: str) -> str:
     A hub id is only looked up in the local Hugging Face cache, so an offline machine with the
     model cached works; nothing is downloaded.
     """
-    if os.path.isdir(model_name_or_path):
-        return model_name_or_path
+    local = os.path.expanduser(model_name_or_path)
+    if os.path.isdir(local):
+        return local
     looks_like_path = model_name_or_path.startswith((".", "/", "~")) or model_name_or_path.count("/") > 1
     if not looks_like_path:
         from huggingface_hub import snapshot_download

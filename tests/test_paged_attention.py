@@ -1,0 +1,262 @@
+"""`fastgen::paged_attention` against a dense attention oracle written out here.
+
+The oracle keeps every sequence's K/V as plain per-token tensors and applies the rules directly:
+key j is visible to query i iff j <= i and (no window or i - j < window), GQA repeats each KV head
+over its group of query heads, softcap is `cap * tanh(score / cap)`. The KV cache starts filled
+with NaN, so any read of a slot that was never written, or any write to a wrong slot, shows up.
+"""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import fastgen.ops
+from fastgen.ops import paged_attention
+
+OP = torch.ops.fastgen.paged_attention
+
+
+@dataclass
+class _Seq:
+    """A sequence's blocks and the K/V of every token written so far."""
+
+    blocks: list[int] = field(default_factory=list)
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.keys)
+
+
+class _Harness:
+    """A NaN-poisoned paged KV cache, shuffled block allocation, and op calls checked against the oracle."""
+
+    def __init__(self, *, block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, window: int = 0, softcap: float = 0.0,
+                 num_blocks: int = 64, seed: int = 0) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.block_size, self.head_dim = block_size, head_dim
+        self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
+        self.dtype, self.window, self.softcap = dtype, window, softcap
+        self.scale = head_dim**-0.5
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.free = torch.randperm(num_blocks, generator=self.gen).tolist()
+
+    def _randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(self.dtype)
+
+    def step(self, chunks: list[tuple[_Seq, int]], pad_tokens: int = 0, pad_rows: int = 0, op=OP) -> None:
+        """Run one op call for `(seq, num_new)` chunks plus padding, and check outputs and cache."""
+        num_real = sum(n for _, n in chunks)
+        total = num_real + pad_tokens
+        query = self._randn(total, self.num_q_heads, self.head_dim)
+        key = self._randn(total, self.num_kv_heads, self.head_dim)
+        value = self._randn(total, self.num_kv_heads, self.head_dim)
+        slots, seq_lens, starts = [], [], [0]
+        for seq, n in chunks:
+            for pos in range(seq.length, seq.length + n):
+                if pos // self.block_size == len(seq.blocks):
+                    seq.blocks.append(self.free.pop())
+                slots.append(seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+            seq_lens.append(seq.length + n)
+            starts.append(starts[-1] + n)
+        slots += [-1] * pad_tokens
+        seq_lens += [0] * pad_rows
+        starts += [num_real] * pad_rows
+        max_blocks = max([len(seq.blocks) for seq, _ in chunks] + [1]) + 1
+        # Unused columns and padded rows hold arbitrary (valid) block ids: the op must not read them.
+        num_blocks = self.k_cache.shape[0]
+        tables = torch.randint(0, num_blocks, (len(chunks) + pad_rows, max_blocks), generator=self.gen,
+                               dtype=torch.int32)
+        for row, (seq, _) in enumerate(chunks):
+            tables[row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+
+        expected_k, expected_v = self.k_cache.clone(), self.v_cache.clone()
+        written = torch.tensor(slots[:num_real], dtype=torch.int64)
+        expected_k.view(-1, self.num_kv_heads, self.head_dim)[written] = key[:num_real]
+        expected_v.view(-1, self.num_kv_heads, self.head_dim)[written] = value[:num_real]
+
+        out = op(query, key, value, self.k_cache, self.v_cache, torch.tensor(slots, dtype=torch.int64), tables,
+                 torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+                 self.scale, self.window, self.softcap)
+
+        assert out.shape == query.shape and out.dtype == self.dtype
+        torch.testing.assert_close(self.k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(self.v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+        assert torch.count_nonzero(out[num_real:]) == 0, "padded tokens must give zeros"
+        tol = dict(rtol=2e-5, atol=2e-5) if self.dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+        for row, (seq, n) in enumerate(chunks):
+            begin = starts[row]
+            seq.keys += list(key[begin : begin + n])
+            seq.values += list(value[begin : begin + n])
+            expected = dense_attention(query[begin : begin + n], torch.stack(seq.keys), torch.stack(seq.values),
+                                       self.scale, self.window, self.softcap)
+            torch.testing.assert_close(out[begin : begin + n], expected.to(self.dtype), **tol)
+
+
+def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int,
+                    softcap: float) -> torch.Tensor:
+    """Oracle in float64: `query` `[Q, Hq, D]` holds the last Q positions of a sequence whose K/V are `[L, Hkv, D]`."""
+    num_q, length = query.shape[0], keys.shape[0]
+    group = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.double(), k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(length - num_q, length).unsqueeze(1)
+    j = torch.arange(length).unsqueeze(0)
+    visible = j <= i
+    if window > 0:
+        visible &= i - j < window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _run_batch(h: _Harness, kind: str, seed: int, pad_tokens: int = 0, pad_rows: int = 0) -> None:
+    """Two op calls over a random batch of `kind` ("decode", "prefill" or "mixed")."""
+    rng = torch.Generator().manual_seed(seed)
+
+    def rand(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (), generator=rng))
+
+    span = 2 * h.block_size + 3  # guarantees sequences that cross block boundaries
+    if kind == "decode":
+        plan = [(rand(1, span), 1) for _ in range(rand(3, 6))] + [(span, 1)]
+    elif kind == "prefill":
+        plan = [(0, rand(1, span)) for _ in range(rand(2, 4))] + [(0, span), (0, 1)]
+    else:
+        plan = [(rand(1, span), 1), (span, 1), (rand(1, span), rand(2, span)), (h.block_size, h.block_size),
+                (0, rand(2, span)), (0, 1), (rand(1, span), 1)]
+    seqs = [_Seq() for _ in plan]
+    # Earlier call: the cached context (itself a prefill batch, checked like any other call).
+    context = [(s, ctx) for s, (ctx, _) in zip(seqs, plan) if ctx > 0]
+    if context:
+        h.step(context)
+    h.step([(s, new) for s, (_, new) in zip(seqs, plan)], pad_tokens=pad_tokens, pad_rows=pad_rows)
+
+
+GQA = [(4, 4), (4, 2), (8, 2), (8, 1)]  # (query heads, KV heads): MHA, GQA 2, GQA 4, MQA
+
+
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"q{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_matches_dense_oracle(kind, block_size, heads):
+    h = _Harness(block_size=block_size, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
+                 seed=block_size + heads[0] + heads[1])
+    _run_batch(h, kind, seed=100 * len(kind) + 10 * block_size + heads[0] + heads[1])
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_dims_and_dtypes(head_dim, dtype):
+    h = _Harness(block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=dtype, seed=head_dim)
+    _run_batch(h, "mixed", seed=head_dim, pad_tokens=3, pad_rows=2)
+
+
+@pytest.mark.parametrize("window", [1, 3, 5, 16])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_sliding_window(window, block_size):
+    h = _Harness(block_size=block_size, num_q_heads=4, num_kv_heads=2, head_dim=64, window=window, seed=window)
+    _run_batch(h, "mixed", seed=window + block_size, pad_tokens=2, pad_rows=1)
+
+
+@pytest.mark.parametrize("softcap", [1.0, 5.0])
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_softcap(softcap, window, dtype):
+    h = _Harness(block_size=4, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, window=window,
+                 softcap=softcap, seed=int(softcap) + window)
+    _run_batch(h, "mixed", seed=int(softcap * 10) + window, pad_tokens=1, pad_rows=1)
+
+
+def test_oracle_rules_change_the_answer():
+    """Controls: a window and a softcap each change the oracle's output on these inputs, so the tests above
+    would notice an op that ignored them."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, 4, 64, generator=gen) * 3 for _ in range(3))
+    plain = dense_attention(q, k[:, :2], v[:, :2], 0.125, 0, 0.0)
+    assert not torch.allclose(plain, dense_attention(q, k[:, :2], v[:, :2], 0.125, 3, 0.0), atol=1e-3)
+    assert not torch.allclose(plain, dense_attention(q, k[:, :2], v[:, :2], 0.125, 0, 1.0), atol=1e-3)
+    # Window 1 leaves each query only its own key.
+    alone = dense_attention(q, k[:, :2], v[:, :2], 0.125, 1, 0.0)
+    torch.testing.assert_close(alone, v[:, :2].double().repeat_interleave(2, dim=1))
+
+
+def test_long_decode_chain_over_many_blocks():
+    """Prefill in chunks, then decode token by token, the cache reused across calls."""
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=1, head_dim=64, window=7, seed=3)
+    a, b = _Seq(), _Seq()
+    h.step([(a, 5), (b, 2)])
+    h.step([(a, 6), (b, 9)])
+    for _ in range(6):
+        h.step([(a, 1), (b, 1)], pad_tokens=2, pad_rows=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_padded_entries_are_zero_and_write_nothing(dtype):
+    """A decode bucket of 8 tokens / 8 rows holding 3 real decodes; the caches are checked slot by slot."""
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype, seed=11)
+    seqs = [_Seq() for _ in range(3)]
+    h.step([(s, n) for s, n in zip(seqs, [3, 4, 9])], pad_tokens=2, pad_rows=1)
+    h.step([(s, 1) for s in seqs], pad_tokens=5, pad_rows=5)
+    # Only the 3 + 4 + 9 + 3 slots ever written hold numbers; everything else is still poison.
+    assert int((~h.k_cache.isnan()).all(-1).all(-1).sum()) == 19
+    assert int((~h.v_cache.isnan()).all(-1).all(-1).sum()) == 19
+
+
+def test_all_padding_step():
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=64, seed=5)
+    h.step([], pad_tokens=4, pad_rows=2)
+    assert h.k_cache.isnan().all() and h.v_cache.isnan().all()
+
+
+def test_registered_as_torch_op():
+    assert isinstance(OP, torch._ops.OpOverloadPacket)
+    schema = OP.default._schema
+    writes = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert writes == {"k_cache", "v_cache"}
+    assert fastgen.ops.paged_attention is paged_attention
+    h1 = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=64, seed=1)
+    h2 = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=64, seed=1)
+    s1, s2 = _Seq(), _Seq()
+    h1.step([(s1, 6)], op=OP)
+    h2.step([(s2, 6)], op=paged_attention)
+    torch.testing.assert_close(h1.k_cache, h2.k_cache, rtol=0, atol=0, equal_nan=True)
+
+
+def _opcheck_args():
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.zeros(8, 4, 2, 16), torch.zeros(8, 4, 2, 16)
+    return (torch.randn(7, 4, 16, generator=gen), torch.randn(7, 2, 16, generator=gen),
+            torch.randn(7, 2, 16, generator=gen), k_cache, v_cache,
+            torch.tensor([8, 9, 10, 20, 21, 22, -1]), torch.tensor([[2, 7], [5, 7], [0, 0]], dtype=torch.int32),
+            torch.tensor([3, 3, 0], dtype=torch.int32), torch.tensor([0, 3, 6, 6], dtype=torch.int32), 0.25, 0, 0.0)
+
+
+def test_opcheck():
+    """torch.library's own checks: schema vs real mutation, fake impl, autograd registration, AOT dispatch."""
+    result = torch.library.opcheck(OP.default, _opcheck_args())
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_under_torch_compile_fullgraph():
+    def step(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc):
+        out = OP(query * 0.5, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                 0.25, 2, 0.0)
+        return out * 2.0 + 1.0
+
+    args = _opcheck_args()[:9]
+    eager_k, eager_v = args[3].clone(), args[4].clone()
+    expected = step(*args[:3], eager_k, eager_v, *args[5:])
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    got = compiled(*args)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(args[3], eager_k, rtol=0, atol=0)
+    torch.testing.assert_close(args[4], eager_v, rtol=0, atol=0)
+    assert torch.count_nonzero(args[3]) > 0, "the compiled call must write the cache in place"
