@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import Any, Sequence as Seq
 
@@ -30,6 +31,9 @@ class Pipeline:
 
     def __init__(self, engine: Engine) -> None:
         self._engine: Engine | None = engine
+        # Whoever steps the engine (a call, or any of several open streams) routes each open
+        # stream's deltas here, so interleaved streams and calls never lose each other's text.
+        self._inboxes: dict[str, deque[Response]] = {}
 
     @property
     def engine(self) -> Engine:
@@ -64,7 +68,7 @@ class Pipeline:
         engine = self.engine
         try:
             while any(rid in engine.requests for rid in request_ids):
-                engine.step()
+                self._step()
         except BaseException:
             for rid in request_ids:
                 engine.abort(rid)
@@ -85,23 +89,27 @@ class Pipeline:
         request_ids, _ = self._submit(prompts, gen)
         index_of = {rid: i for i, rid in enumerate(request_ids)}
         engine = self.engine
-        rids = set(request_ids)
+        inbox: deque[Response] = deque()
+        self._inboxes.update(dict.fromkeys(request_ids, inbox))
         try:
-            while any(rid in engine.requests for rid in request_ids):
-                for delta in self._step_for(rids, index_of):
-                    yield delta
+            while inbox or any(rid in engine.requests for rid in request_ids):
+                if not inbox:
+                    self._step()
+                    continue
+                delta = inbox.popleft()
+                delta.prompt_index = index_of[delta.request_id]
+                yield delta
         finally:
             for rid in request_ids:
+                self._inboxes.pop(rid, None)
                 engine.abort(rid)
 
-    def _step_for(self, rids: set[str], index_of: dict[str, int]) -> list[Response]:
-        engine = self.engine
-        deltas = []
-        for delta in engine.step():
-            if delta.request_id in rids:
-                delta.prompt_index = index_of[delta.request_id]
-                deltas.append(delta)
-        return deltas
+    def _step(self) -> None:
+        """One engine step; deltas of open streams go to their inboxes."""
+        for delta in self.engine.step():
+            inbox = self._inboxes.get(delta.request_id)
+            if inbox is not None:
+                inbox.append(delta)
 
     def destroy(self) -> None:
         """Free the model and KV cache; later calls raise."""

@@ -172,6 +172,7 @@ class Engine:
 
     # Stepping -------------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[Response]:
         """Run one SplitFuse step; return a delta per sequence that produced a token or finished."""
         batch = self.scheduler.schedule()
