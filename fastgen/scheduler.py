@@ -9,7 +9,7 @@ Long prompts are thus split across steps and short ones fused into one, so every
 about the same and decode latency stays steady (FastGen's Dynamic SplitFuse).
 
 When the KV cache is full, the newest running sequence is preempted: its blocks are freed and
-it goes back to the head of the waiting queue to be recomputed later (its generated tokens are
+it goes back to the waiting queue, ahead of every newer request, to be recomputed later (its generated tokens are
 kept, so its output does not change). New requests are never admitted by preempting others,
 so the oldest request always makes progress: nothing starves.
 """
@@ -45,6 +45,9 @@ class Scheduler:
     """Decides, step by step, which tokens of which sequences are computed."""
 
     def __init__(self, block_manager: BlockManager, token_budget: int, max_seqs: int) -> None:
+        for name, value in (("token_budget", token_budget), ("max_seqs", max_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if not 1 <= max_seqs <= token_budget:
@@ -122,13 +125,16 @@ class Scheduler:
             budget -= num_new
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        """Free `seq`'s KV and put it back at the head of the queue to be recomputed."""
+        """Free `seq`'s KV and put it back in the queue, in arrival order, to be recomputed."""
         self.block_manager.free(seq.seq_id)
         self.running.remove(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        # Back in arrival order (ahead of everything newer), so FCFS holds strictly even when an
+        # older sequence preempted itself earlier in the same step.
+        index = next((i for i, s in enumerate(self.waiting) if s.arrival > seq.arrival), len(self.waiting))
+        self.waiting.insert(index, seq)
         batch.preempted.append(seq)
 
     def fork_children(self, parent: Sequence) -> list[Sequence]:
