@@ -60,7 +60,7 @@ class ModelConfig:
     max_position_embeddings: int
     """Longest context the checkpoint claims."""
     rms_norm_eps: float = 1e-6
-    """Epsilon of the RMSNorms."""
+    """Epsilon of the norms (RMSNorm, or LayerNorm's `layer_norm_epsilon`)."""
     rope_theta: float = 10000.0
     """Rotary base frequency."""
     rope_scaling: dict | None = None
@@ -84,7 +84,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     """Beginning-of-sequence id."""
     raw: dict = field(default_factory=dict)
-    """The config.json dict as read, for family-specific fields."""
+    """The config.json dict as read (plus the generic names of `_KEY_ALIASES`), for family-specific fields."""
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -94,10 +94,14 @@ class ModelConfig:
         text = raw.get("text_config")
         if isinstance(text, dict) and "hidden_size" not in raw:
             raw = {**text, "model_type": raw["model_type"]}
+        raw = _with_key_aliases(raw)
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in raw]
         if missing:
             raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
         num_heads = raw["num_attention_heads"]
+        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        if raw.get("multi_query") and not raw.get("new_decoder_architecture"):
+            num_kv_heads = 1  # Falcon-7B style multi-query: one K/V head whatever num_kv_heads says
         rope_theta, rope_scaling = _rope_settings(raw)
         eos = raw.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -108,7 +112,7 @@ class ModelConfig:
             intermediate_size=raw.get("intermediate_size", 4 * raw["hidden_size"]),
             num_layers=raw["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
@@ -117,7 +121,7 @@ class ModelConfig:
             partial_rotary_factor=(raw.get("rope_parameters") or {}).get(
                 "partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)
             ),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            tie_word_embeddings=raw.get("tie_word_embeddings", raw["model_type"] in _TIED_BY_DEFAULT),
             attention_bias=raw.get("attention_bias", False),
             mlp_bias=raw.get("mlp_bias", False),
             hidden_act=raw.get("hidden_act", "silu"),
@@ -133,6 +137,33 @@ class ModelConfig:
         """Read and normalise `path` (a config.json)."""
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
+
+
+# Family-specific names of generic keys (GPT-2, OPT, Falcon). The family's own key wins: it is the
+# one HF's modeling code reads, and such configs may also carry a stale generic key.
+_KEY_ALIASES = {
+    "hidden_size": ("n_embd", "n_embed"),
+    "num_hidden_layers": ("n_layer",),
+    "num_attention_heads": ("n_head",),
+    "max_position_embeddings": ("n_positions",),
+    "intermediate_size": ("n_inner", "ffn_dim", "ffn_hidden_size"),
+    "rms_norm_eps": ("layer_norm_epsilon",),
+    "num_key_value_heads": ("num_kv_heads",),
+}
+
+# Model types whose HF config class ties the LM head to the embedding when config.json is silent.
+_TIED_BY_DEFAULT = frozenset({"falcon", "gpt2", "opt"})
+
+
+def _with_key_aliases(raw: dict) -> dict:
+    """A copy of `raw` with each generic key set from its family alias, where one is set (not null)."""
+    out = dict(raw)
+    for key, aliases in _KEY_ALIASES.items():
+        for alias in aliases:
+            if raw.get(alias) is not None:
+                out[key] = raw[alias]
+                break
+    return out
 
 
 def _rope_settings(raw: dict) -> tuple[float, dict | None]:

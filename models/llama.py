@@ -24,7 +24,16 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class LlamaAttention(nn.Module):
     """Self-attention with merged q/k/v, rotary positions and paged KV."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: nn.Module) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rotary: nn.Module,
+        qkv_bias: bool | None = None,
+        o_bias: bool | None = None,
+        qk_norm: bool | None = None,
+    ) -> None:
+        """`qkv_bias`/`o_bias`/`qk_norm` default to what the config's family implies."""
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -34,11 +43,13 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = config.layer_sliding_windows[layer_idx]
         # Qwen2 always has q/k/v biases and no o_proj bias; elsewhere attention_bias covers all four.
-        qkv_bias = config.attention_bias or config.model_type == "qwen2"
-        o_bias = config.attention_bias and config.model_type != "qwen2"
+        if qkv_bias is None:
+            qkv_bias = config.attention_bias or config.model_type == "qwen2"
+        if o_bias is None:
+            o_bias = config.attention_bias and config.model_type != "qwen2"
         self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type == "qwen3" if qk_norm is None else qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

@@ -89,16 +89,37 @@ class _WeightSink:
         self.device = device
         self.params = dict(model.named_parameters())
         self.packed = getattr(model, "packed_modules_mapping", {})
-        self.loaded: dict[str, set[int]] = {}
+        # MoE models stack per-expert checkpoint weights into one parameter (see _target).
+        self.experts = getattr(model, "stacked_experts_mapping", {})
+        self.stacked = {target for target, _ in self.experts.values()}
+        # Per parameter: shard indices (-1 = whole) or, for stacked experts, (expert, shard) pairs.
+        self.loaded: dict[str, set[int | tuple[int, int]]] = {}
 
-    def _target(self, name: str) -> tuple[str, int | None]:
-        """Our parameter name and shard index for a checkpoint tensor name."""
+    def _target(self, name: str) -> tuple[str, int | None, int | None]:
+        """Our parameter name, shard index and expert index for a checkpoint tensor name.
+
+        `<prefix>.<i>.<module>.weight` with `<module>` in the model's `stacked_experts_mapping`
+        (`{module: (parameter, shard)}`) goes to expert `i` of our `<prefix>.<parameter>`.
+        """
         parts = name.split(".")
         for i, part in enumerate(parts):
+            if part in self.experts and i > 0 and parts[i - 1].isdigit() and parts[i + 1 :] == ["weight"]:
+                stacked, shard = self.experts[part]
+                return ".".join(parts[: i - 1] + [stacked]), shard, int(parts[i - 1])
             if part in self.packed:
                 merged, shard = self.packed[part]
-                return ".".join(parts[:i] + [merged] + parts[i + 1 :]), shard
-        return name, None
+                return ".".join(parts[:i] + [merged] + parts[i + 1 :]), shard, None
+        return name, None, None
+
+    def _shard_sizes(self, param_name: str) -> list[int] | None:
+        """Rows of each shard packed into `param_name` (per expert if stacked), None if not packed.
+
+        A module's `output_sizes` is a list for all its parameters (MergedLinear) or a dict keyed by
+        parameter name (stacked experts, where only `gate_up_proj` is packed).
+        """
+        module_name, _, attr = param_name.rpartition(".")
+        sizes = getattr(self.model.get_submodule(module_name), "output_sizes", None)
+        return sizes.get(attr) if isinstance(sizes, dict) else sizes
 
     def _materialise(self, param_name: str) -> torch.Tensor:
         """The real tensor behind `param_name`, allocating it the first time."""
@@ -112,15 +133,31 @@ class _WeightSink:
         return param.data
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy checkpoint tensor `name` into its place (cast and moved), checking its shape."""
-        param_name, shard = self._target(name)
+        """Copy checkpoint tensor `name` into its place (cast and moved), checking its shape.
+
+        A model whose checkpoint does not mirror its module tree (other prefixes, `[in, out]`
+        weights, interleaved fused projections, buffers to skip) defines
+        `adapt_checkpoint_tensor(name, tensor) -> (name, tensor) | None`: the name and tensor in our
+        layout, or None to ignore the tensor.
+        """
+        adapt = getattr(self.model, "adapt_checkpoint_tensor", None)
+        if adapt is not None:
+            adapted = adapt(name, tensor)
+            if adapted is None:
+                return
+            name, tensor = adapted
+        param_name, shard, expert = self._target(name)
         if param_name not in self.params:
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.model.config.tie_word_embeddings):
                 return
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self.model).__name__}")
         dest = self._materialise(param_name)
+        if expert is not None:
+            if expert >= dest.shape[0]:
+                raise ValueError(f"checkpoint tensor {name!r} names expert {expert}, but the model has {dest.shape[0]}")
+            dest = dest[expert]
         if shard is not None:
-            sizes = self.model.get_submodule(param_name.rpartition(".")[0]).output_sizes
+            sizes = self._shard_sizes(param_name)
             start = sum(sizes[:shard])
             dest = dest.narrow(0, start, sizes[shard])
         if tuple(tensor.shape) != tuple(dest.shape):
@@ -128,23 +165,35 @@ class _WeightSink:
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
             )
         dest.copy_(tensor)
-        self.loaded.setdefault(param_name, set()).add(-1 if shard is None else shard)
+        piece = -1 if shard is None else shard
+        self.loaded.setdefault(param_name, set()).add(piece if expert is None else (expert, piece))
 
     def check_complete(self) -> None:
         """Raise naming every checkpoint tensor that never arrived."""
         missing = []
-        for param_name in self.params:
-            module_name, _, attr = param_name.rpartition(".")
-            module = self.model.get_submodule(module_name)
-            sizes = getattr(module, "output_sizes", None)
-            expected = set(range(len(sizes))) if sizes is not None else {-1}
-            for shard in sorted(expected - self.loaded.get(param_name, set())):
+        for param_name, param in self.params.items():
+            sizes = self._shard_sizes(param_name)
+            loaded = self.loaded.get(param_name, set())
+            # A merged parameter may also arrive whole under its own name (Phi-3 stores qkv_proj fused).
+            expected = set(range(len(sizes))) if sizes is not None and -1 not in loaded else {-1}
+            if param_name.rpartition(".")[2] in self.stacked and -1 not in loaded:
+                # Stacked experts arrive whole (transformers 5's fused layout) or expert by expert.
+                expected = {(expert, shard) for expert in range(param.shape[0]) for shard in expected}
+            for shard in sorted(expected - loaded):
                 missing.append(self._checkpoint_name(param_name, shard))
         if missing:
-            raise ValueError(f"checkpoint lacks tensor(s): {', '.join(missing)}")
+            # dict.fromkeys: a merged module without a packed mapping names the same tensor per shard.
+            raise ValueError(f"checkpoint lacks tensor(s): {', '.join(dict.fromkeys(missing))}")
 
-    def _checkpoint_name(self, param_name: str, shard: int) -> str:
-        """The checkpoint name that would have filled `param_name`'s shard."""
+    def _checkpoint_name(self, param_name: str, shard: int | tuple[int, int]) -> str:
+        """The checkpoint name that would have filled `param_name`'s shard (or (expert, shard))."""
+        if isinstance(shard, tuple):
+            expert, shard = shard
+            prefix, _, stacked = param_name.rpartition(".")
+            for ckpt_part, (target, index) in self.experts.items():
+                if target == stacked and (-1 if index is None else index) == shard:
+                    return f"{prefix}.{expert}.{ckpt_part}.weight"
+            return param_name
         if shard < 0:
             return param_name
         for ckpt_part, (merged, index) in self.packed.items():

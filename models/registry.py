@@ -6,13 +6,31 @@ from types import MappingProxyType
 
 from torch import nn
 
+from fastgen.models.falcon import FalconForCausalLM
+from fastgen.models.gemma import GemmaForCausalLM
+from fastgen.models.gpt2 import GPT2LMHeadModel
 from fastgen.models.llama import LlamaForCausalLM
+from fastgen.models.mixtral import MixtralForCausalLM
+from fastgen.models.opt import OPTForCausalLM
+from fastgen.models.phi import PhiForCausalLM
+from fastgen.models.phi3 import Phi3ForCausalLM
+from fastgen.models.qwen_moe import QwenMoeForCausalLM
 
 MODEL_REGISTRY: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": QwenMoeForCausalLM,
+    "qwen3_moe": QwenMoeForCausalLM,
+    "falcon": FalconForCausalLM,
+    "opt": OPTForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+    "phi": PhiForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "gemma": GemmaForCausalLM,
+    "gemma2": GemmaForCausalLM,
 })
 """Every supported `model_type` and the class that serves it."""
 

@@ -1,0 +1,169 @@
+"""The sparse mixture-of-experts layer shared by mixtral, qwen2_moe and qwen3_moe.
+
+A router (one linear) scores the experts per token; softmax in fp32, top-k, and optionally the
+top-k weights renormalised to sum to one (Mixtral always, the Qwen MoEs when `norm_topk_prob`);
+each token's output is the weighted sum of its k experts' gated MLPs.
+
+Expert weights are stacked, exactly as transformers 5 holds them in memory:
+`experts.gate_up_proj [E, 2*I, H]` (gate rows then up rows) and `experts.down_proj [E, H, I]`.
+A checkpoint in transformers 5's fused layout therefore loads name for name, and the loader
+stacks per-expert checkpoint tensors (`experts.{i}.gate_proj.weight`, ...) into these through a
+model's `stacked_experts_mapping`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastgen.models.config import ModelConfig
+from fastgen.models.layers import GatedMLP, get_activation
+
+# Reading one selected expert's weights through a gather costs about three passes over them (read,
+# write the copy, read the copy) against one pass over every expert for the dense path.
+_GATHER_COST = 3
+
+
+@dataclass(slots=True, frozen=True)
+class MoeConfig:
+    """The settings of one sparse MoE layer, read by each family from its HF config."""
+
+    num_experts: int
+    """Routed experts per layer (E)."""
+    top_k: int
+    """Experts each token is sent to (k)."""
+    intermediate_size: int
+    """Hidden width of each routed expert's gated MLP (I)."""
+    renormalize: bool
+    """Rescale the top-k routing weights to sum to one (Mixtral; Qwen's `norm_topk_prob`)."""
+    hidden_act: str = "silu"
+    """Activation of the experts' gated MLPs."""
+    shared_expert_intermediate_size: int = 0
+    """Width of an always-on shared expert with a sigmoid gate (Qwen2-MoE); 0 = none."""
+
+    def __post_init__(self) -> None:
+        """Refuse settings no MoE layer can run with, naming the field."""
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MoE {name} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoE top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                f"MoE shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}"
+            )
+        get_activation(self.hidden_act)
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, keys: dict[str, tuple[str, ...]], **fixed) -> "MoeConfig":
+        """Read the fields named in `keys` from `config.raw`, each from the first of its HF keys present
+        (`{"num_experts": ("num_experts", "num_local_experts")}`); `fixed` gives the other fields."""
+        values = dict(fixed)
+        for field_name, names in keys.items():
+            present = [n for n in names if config.raw.get(n) is not None]
+            if not present:
+                raise ValueError(f"{config.model_type} config.json lacks {' or '.join(map(repr, names))}")
+            values[field_name] = config.raw[present[0]]
+        return cls(**values)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 routing weights `[T, k]` and expert ids `[T, k]` from router logits `[T, E]`.
+
+    The same operations in the same order as transformers, so ties and near-ties pick the same
+    experts.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class StackedExperts(nn.Module):
+    """E gated MLPs held as two stacked weights and run without a Python loop over tokens.
+
+    Two static-shape formulations, picked by the token count (static per compiled bucket, so the
+    choice is not data-dependent and the step stays one graph, capturable as a CUDA graph):
+
+    - dense: every expert runs on every token as one GEMM (`x @ gate_up_proj` viewed as
+      `[E*2I, H]`) and one batched GEMM for `down_proj`, the routing weights zero for experts
+      a token did not pick. It reads each expert once and costs E/k times the sparse FLOPs.
+    - gathered: each (token, expert) pair gathers its expert's weights and runs a batched
+      matrix-vector product. It reads only the picked experts, which wins for a few tokens
+      (batch-1 decode of a many-expert model) and loses once many tokens hit most experts.
+
+    A loop over experts with `nonzero`/`index_add` would do the sparse FLOPs but has
+    data-dependent shapes: a host sync per layer, a graph break, and no CUDA-graph capture.
+    Doing the sparse FLOPs with static shapes needs a grouped-GEMM kernel (a job for `ops/`).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.act = get_activation(hidden_act)
+        # Checkpoints keep gate and up apart: the loader fills these rows of each expert separately.
+        self.output_sizes = {"gate_up_proj": [intermediate_size, intermediate_size]}
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of each token's selected experts: `hidden [T, H]`, weights/ids `[T, k]` -> `[T, H]`."""
+        num_tokens, top_k = topk_ids.shape
+        if _GATHER_COST * num_tokens * top_k <= self.num_experts:
+            return self._gathered(hidden, topk_weights, topk_ids)
+        return self._dense(hidden, topk_weights, topk_ids)
+
+    def _dense(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token; unpicked experts weigh zero."""
+        num_tokens = hidden.shape[0]
+        combine = torch.zeros(num_tokens, self.num_experts, dtype=hidden.dtype, device=hidden.device)
+        combine.scatter_(1, topk_ids, topk_weights.to(hidden.dtype))
+        gate_up = F.linear(hidden, self.gate_up_proj.flatten(0, 1))  # [T, E*2I]
+        gate_up = gate_up.view(num_tokens, self.num_experts, 2 * self.intermediate_size).transpose(0, 1)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        # Weighting before down_proj (it is linear) leaves only a sum over experts afterwards.
+        act = self.act(gate) * up * combine.t().unsqueeze(-1)  # [E, T, I]
+        return torch.bmm(act, self.down_proj.transpose(1, 2)).sum(dim=0)
+
+    def _gathered(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """One batched matrix-vector product per (token, expert) pair over gathered weights."""
+        num_tokens, top_k = topk_ids.shape
+        ids = topk_ids.flatten()
+        pairs = hidden.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+        gate_up = torch.bmm(self.gate_up_proj[ids], pairs).squeeze(-1)  # [T*k, 2I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        out = torch.bmm(self.down_proj[ids], (self.act(gate) * up).unsqueeze(-1)).view(num_tokens, top_k, -1)
+        return (out * topk_weights.to(hidden.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + stacked experts (+ an optional gated shared expert), in place of a dense MLP.
+
+    Parameter names follow transformers: `gate.weight` (the router), `experts.gate_up_proj`,
+    `experts.down_proj`, and for Qwen2-MoE `shared_expert.*` and `shared_expert_gate.weight`.
+    """
+
+    def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.renormalize = moe.renormalize
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.experts = StackedExperts(moe.num_experts, hidden_size, moe.intermediate_size, moe.hidden_act)
+        self.has_shared_expert = moe.shared_expert_intermediate_size > 0
+        if self.has_shared_expert:
+            self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, moe.hidden_act)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Apply the layer to `hidden` `[T, H]`."""
+        topk_weights, topk_ids = route(self.gate(hidden), self.top_k, self.renormalize)
+        out = self.experts(hidden, topk_weights, topk_ids)
+        if self.has_shared_expert:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return out
