@@ -40,6 +40,9 @@ class EngineConfig:
     """Seed of the default generator used by unseeded sampled requests."""
     progress: bool = True
     """Show a progress bar while loading weights."""
+    attention_backend: str = "auto"
+    """Paged attention implementation: "auto" (Triton on CUDA, torch on CPU), "torch" (the reference
+    everywhere) or "triton" (everywhere; on a CPU only with TRITON_INTERPRET=1, as CI does)."""
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -61,6 +64,8 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")
             if isinstance(mem, int) and mem < 1:
                 raise ValueError(f"kv_cache_memory in bytes must be positive, got {mem}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if self.device is not None:
             torch.device(self.device)  # raises on a malformed device string
 

@@ -73,7 +73,8 @@ class Engine:
         wanted_len = config.max_length or model_max
         num_blocks = self._num_kv_blocks(loaded.model, wanted_len)
         self.max_model_len = min(wanted_len, num_blocks * self.block_size)
-        self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, self.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, self.block_size, self.device, self.dtype,
+                                  config.attention_backend)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.token_budget, config.max_seqs)
         self.sampler = Sampler()

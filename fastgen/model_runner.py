@@ -41,7 +41,11 @@ class ModelRunner:
     """Owns the model and its paged KV cache and executes scheduled batches."""
 
     def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, attention_backend: str = "auto") -> None:
+        if attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"attention_backend='triton' on {device.type} needs a CUDA GPU, or TRITON_INTERPRET=1 "
+                             "set before the engine starts (the Triton interpreter, slow: for tests)")
+        self.attention_backend = attention_backend
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -86,6 +90,7 @@ class ModelRunner:
             block_tables=block_tables.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(dev),
+            backend=self.attention_backend,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev)

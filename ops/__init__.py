@@ -1,6 +1,24 @@
 """Hand-written operations: paged attention over the blocked KV cache and the KV-cache write."""
 
 from fastgen.ops.attention_metadata import AttentionMetadata
-from fastgen.ops.paged_attention import attention, paged_attention, write_kv_cache
+from fastgen.ops.paged_attention import (
+    attention,
+    paged_attention,
+    paged_attention_reference,
+    paged_attention_torch,
+    paged_attention_triton,
+    write_kv_cache,
+)
+from fastgen.ops.triton_attention import triton_paged_attention, triton_write_kv_cache
 
-__all__ = ["AttentionMetadata", "attention", "paged_attention", "write_kv_cache"]
+__all__ = [
+    "AttentionMetadata",
+    "attention",
+    "paged_attention",
+    "paged_attention_reference",
+    "paged_attention_torch",
+    "paged_attention_triton",
+    "triton_paged_attention",
+    "triton_write_kv_cache",
+    "write_kv_cache",
+]

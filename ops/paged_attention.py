@@ -4,7 +4,11 @@ The op both writes this step's K/V into the cache (through `slot_mapping`) and a
 sequence's query tokens over its blocks (through `block_tables`). Keeping both inside one opaque
 op lets `torch.compile(fullgraph=True)` fuse everything around it and lets a CUDA graph capture
 the whole step. The implementation here is plain torch: the CPU path and the test oracle for the
-Triton kernel.
+Triton kernel (`fastgen.ops.triton_attention`), which serves CUDA tensors.
+
+Three ops share one signature: `fastgen::paged_attention` picks by device (Triton on CUDA, torch
+elsewhere), `fastgen::paged_attention_torch` is always the torch reference and
+`fastgen::paged_attention_triton` always Triton (on the CPU only through `TRITON_INTERPRET=1`).
 
 KV-cache layout (per layer, K and V separately): `[num_blocks, block_size, num_kv_heads, head_dim]`.
 """
@@ -15,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from fastgen.ops.triton_attention import triton_paged_attention
 
 if TYPE_CHECKING:
     from fastgen.ops.attention_metadata import AttentionMetadata
@@ -67,8 +73,7 @@ def _attend_one(
     return out.transpose(0, 1)
 
 
-@torch.library.custom_op("fastgen::paged_attention", mutates_args=("k_cache", "v_cache"))
-def paged_attention(
+def paged_attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -82,7 +87,7 @@ def paged_attention(
     sliding_window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend over each sequence's blocks.
+    """Write this step's K/V into the cache, then attend over each sequence's blocks (plain torch).
 
     `query` is `[T, num_q_heads, head_dim]`, `key`/`value` `[T, num_kv_heads, head_dim]`; the
     metadata is that of `AttentionMetadata`. `sliding_window` 0 means full attention; `softcap`
@@ -106,6 +111,49 @@ def paged_attention(
     return out
 
 
+_MUTATES = ("k_cache", "v_cache")
+
+
+@torch.library.custom_op("fastgen::paged_attention", mutates_args=_MUTATES)
+def paged_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+    scale: float, sliding_window: int = 0, softcap: float = 0.0,
+) -> torch.Tensor:
+    """`paged_attention_reference` as a custom op; CUDA tensors take the Triton kernel instead."""
+    return paged_attention_reference(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                     query_start_loc, scale, sliding_window, softcap)
+
+
+@paged_attention.register_kernel("cuda")
+def _(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+      sliding_window=0, softcap=0.0):
+    return triton_paged_attention(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                  query_start_loc, scale, sliding_window, softcap)
+
+
+@torch.library.custom_op("fastgen::paged_attention_torch", mutates_args=_MUTATES)
+def paged_attention_torch(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+    scale: float, sliding_window: int = 0, softcap: float = 0.0,
+) -> torch.Tensor:
+    """`paged_attention_reference` as a custom op on every device (backend "torch")."""
+    return paged_attention_reference(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                     query_start_loc, scale, sliding_window, softcap)
+
+
+@torch.library.custom_op("fastgen::paged_attention_triton", mutates_args=_MUTATES)
+def paged_attention_triton(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+    scale: float, sliding_window: int = 0, softcap: float = 0.0,
+) -> torch.Tensor:
+    """The Triton kernel as a custom op on every device (backend "triton"); see `triton_paged_attention`."""
+    return triton_paged_attention(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                  query_start_loc, scale, sliding_window, softcap)
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -117,16 +165,26 @@ def attention(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """What model code calls: paged attention of one layer through `attn_metadata.backend`."""
-    if attn_metadata.backend not in ("auto", "torch"):
-        raise ValueError(f"unknown attention backend {attn_metadata.backend!r} (supported: auto, torch)")
+    if attn_metadata.backend == "auto":
+        op = paged_attention
+    elif attn_metadata.backend == "torch":
+        op = paged_attention_torch
+    elif attn_metadata.backend == "triton":
+        op = paged_attention_triton
+    else:
+        raise ValueError(f"unknown attention backend {attn_metadata.backend!r} (supported: auto, torch, triton)")
     md = attn_metadata
-    return paged_attention(
+    return op(
         query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping, md.block_tables, md.seq_lens,
         md.query_start_loc, scale, sliding_window, softcap,
     )
 
 
-@paged_attention.register_fake
-def _(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-      sliding_window=0, softcap=0.0):
+def _fake(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+          sliding_window=0, softcap=0.0):
     return torch.empty_like(query)
+
+
+paged_attention.register_fake(_fake)
+paged_attention_torch.register_fake(_fake)
+paged_attention_triton.register_fake(_fake)

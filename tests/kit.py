@@ -46,6 +46,56 @@ TINY_CONFIGS: dict[str, tuple[type, dict]] = {
         transformers.Qwen3Config,
         dict(head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
     ),
+    # Sparse MoE: 8 experts, top-2, renormalised top-k weights, sliding window on every layer.
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=12)),
+    # Shared expert with its sigmoid gate, q/k/v biases, un-normalised top-k, layer 1 dense (mlp_only_layers).
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=96,
+             mlp_only_layers=[1], norm_topk_prob=False),
+    ),
+    # q/k norm, top-3 of 8 with norm_topk_prob.
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+    # Falcon-40B layout: grouped q/k/v interleaved per KV group, ln_attn/ln_mlp, biases on.
+    "falcon": (
+        transformers.FalconConfig,
+        dict(new_decoder_architecture=True, num_kv_heads=2, bias=True, ffn_hidden_size=128, rope_theta=20000.0),
+    ),
+    # Pre-LN OPT with project_in/out; OPT initialises from init_std, not initializer_range. OPT and
+    # GPT-2 have no GQA: null the kit's shared num_key_value_heads so config.json does not claim it.
+    "opt": (
+        transformers.OPTConfig,
+        dict(ffn_dim=128, word_embed_proj_dim=32, init_std=0.5, num_key_value_heads=None),
+    ),
+    "gpt2": (
+        transformers.GPT2Config,
+        dict(n_inner=96, scale_attn_by_inverse_layer_idx=True, num_key_value_heads=None),
+    ),
+    "phi": (
+        transformers.PhiConfig,
+        dict(partial_rotary_factor=0.5, qk_layernorm=True, intermediate_size=256),
+    ),
+    # LongRoPE: HF's Phi-3 uses long_factor for a whole sequence once it outgrows
+    # original_max_position_embeddings (recomputing its cache at the crossing); we choose per position.
+    # They agree only while a sequence stays within it, so it is 128 > the longest test sequence
+    # (64 + 24 tokens): short_factor and the attention factor (from 512 / 128) are what is checked.
+    "phi3": (
+        transformers.Phi3Config,
+        dict(partial_rotary_factor=0.5, sliding_window=20, original_max_position_embeddings=128,
+             rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.5, 4.0],
+                           "long_factor": [1.0, 3.0, 7.0, 16.0]}),
+    ),
+    "gemma": (transformers.GemmaConfig, dict(head_dim=32, num_key_value_heads=1)),
+    # Untied: with a tied head the sqrt(hidden)-scaled embedding dominates the normalised residual
+    # branches and a random model only ever predicts its input token again.
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=8.0,
+             sliding_window=12, tie_word_embeddings=False),
+    ),
 }
 
 
@@ -102,12 +152,15 @@ class PagedSeq:
 class PagedRunner:
     """Drives a model step by step over a paged KV cache, like the engine but without a scheduler.
 
-    Blocks are handed out in a shuffled order so sequences' blocks are not contiguous.
+    Blocks are handed out in a shuffled order so sequences' blocks are not contiguous. `backend`
+    is the `AttentionMetadata.backend` of every step.
     """
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int = 256, block_size: int = 8, seed: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, num_blocks: int = 256, block_size: int = 8, seed: int = 0,
+                 backend: str = "auto") -> None:
         cfg = model.config
         self.model = model
+        self.backend = backend
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -141,6 +194,7 @@ class PagedRunner:
             block_tables=tables,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            backend=self.backend,
         )
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), md, self.kv_caches)
         for seq, n in chunks:
