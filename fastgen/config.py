@@ -44,14 +44,34 @@ class EngineConfig:
     """Paged attention implementation: "auto" (Triton on CUDA, torch on CPU), "torch" (the reference
     everywhere) or "triton" (everywhere; on a CPU only with TRITON_INTERPRET=1, as CI does)."""
 
+    compile: str = "off"
+    """torch.compile of the model step per bucket: "off", "default" or "max-autotune"."""
+    cuda_graphs: bool = False
+    """Capture each bucket once as a CUDA graph and replay it (CUDA only)."""
+    buckets: tuple[int, ...] | None = None
+    """Static step sizes in tokens; a step pads to the smallest one that holds it. None = powers of
+    two up to token_budget when compiling or capturing, else no padding (exact shapes)."""
+
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
+        if self.buckets is not None:
+            buckets = tuple(self.buckets) if isinstance(self.buckets, (list, tuple)) else None
+            if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets):
+                raise ValueError(f"buckets must be a non-empty list of positive ints, got {self.buckets!r}")
+            self.buckets = tuple(sorted(set(buckets)))
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if self.compile not in ("off", "default", "max-autotune"):
+            raise ValueError(f"compile must be 'off', 'default' or 'max-autotune', got {self.compile!r}")
         for name in ("token_budget", "max_seqs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.max_seqs > self.token_budget:
             raise ValueError(f"max_seqs ({self.max_seqs}) must not exceed token_budget ({self.token_budget})")
+        if self.buckets is not None and self.buckets[-1] > self.token_budget:
+            raise ValueError(f"the largest bucket ({self.buckets[-1]}) exceeds token_budget ({self.token_budget}): "
+                             "no step could use it")
         for name in ("max_length", "block_size", "num_kv_blocks", "seed"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "seed" else 1)):
@@ -68,6 +88,15 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if self.device is not None:
             torch.device(self.device)  # raises on a malformed device string
+
+    def resolved_buckets(self) -> tuple[int, ...]:
+        """The bucket list the runner pads to (empty = exact shapes, no padding)."""
+        if self.buckets is not None:
+            return self.buckets
+        if self.compile == "off" and not self.cuda_graphs:
+            return ()
+        powers = [1 << i for i in range(self.token_budget.bit_length()) if (1 << i) < self.token_budget]
+        return tuple(powers + [self.token_budget])
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs: Any) -> "EngineConfig":

@@ -73,8 +73,12 @@ class Engine:
         wanted_len = config.max_length or model_max
         num_blocks = self._num_kv_blocks(loaded.model, wanted_len)
         self.max_model_len = min(wanted_len, num_blocks * self.block_size)
-        self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, self.block_size, self.device, self.dtype,
-                                  config.attention_backend)
+        self.runner = ModelRunner(
+            loaded.model, self.model_config, num_blocks, self.block_size, self.device, self.dtype,
+            attention_backend=config.attention_backend, buckets=config.resolved_buckets(), max_seqs=config.max_seqs,
+            max_model_len=self.max_model_len, compile=config.compile, cuda_graphs=config.cuda_graphs,
+            progress=config.progress,
+        )
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.token_budget, config.max_seqs)
         self.sampler = Sampler()

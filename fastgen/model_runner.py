@@ -1,20 +1,29 @@
 """Runs the model on one scheduled batch: flat metadata in, logits of the sampled rows out.
 
-The runner owns the model and the KV-cache tensors; it is the only place that turns sequences
-into the flat ragged tensors of `AttentionMetadata`.
+The runner owns the model, the KV-cache tensors, the per-bucket compiled steps and (on CUDA)
+the per-bucket CUDA graphs; it is the only place that knows about graphs. A step is padded to
+the smallest bucket that holds it; a step larger than every bucket runs eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from fastgen.block_manager import BlockManager
 from fastgen.models.config import ModelConfig
-from fastgen.ops import AttentionMetadata
 from fastgen.sequence import Sequence
+from fastgen.step_inputs import StaticBuffers, build_host_inputs, make_metadata, pick_bucket
+
+logger = logging.getLogger("fastgen")
+
+COMPILE_MODES = ("off", "default", "max-autotune")
+"""`compile` settings: no torch.compile; Inductor's default; Inductor with autotuned kernels."""
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -40,65 +49,122 @@ def available_memory(device: torch.device) -> int:
 class ModelRunner:
     """Owns the model and its paged KV cache and executes scheduled batches."""
 
-    def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, attention_backend: str = "auto") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention_backend: str = "auto",
+        buckets: list[int] | tuple[int, ...] = (),
+        max_seqs: int = 1,
+        max_model_len: int = 1,
+        compile: str = "off",
+        cuda_graphs: bool = False,
+        progress: bool = True,
+    ) -> None:
         if attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"attention_backend='triton' on {device.type} needs a CUDA GPU, or TRITON_INTERPRET=1 "
                              "set before the engine starts (the Triton interpreter, slow: for tests)")
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, not {device.type}")
+        if (compile != "off" or cuda_graphs) and not buckets:
+            raise ValueError("compile and cuda_graphs need a bucket list (static shapes)")
         self.attention_backend = attention_backend
         self.model = model
         self.config = config
         self.block_size = block_size
         self.device = device
+        self.buckets = sorted(set(buckets))
+        self.compile_mode = compile
+        self.cuda_graphs = cuda_graphs
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
         ]
+        self.buffers = None
+        if self.buckets:
+            max_blocks_per_seq = -(-max_model_len // block_size)
+            self.buffers = StaticBuffers(self.buckets[-1], min(self.buckets[-1], max_seqs), max_blocks_per_seq, device)
+        self._compiled = None
+        if compile != "off":
+            # One code object serves every bucket; each bucket is one static-shape specialisation.
+            mode = "max-autotune-no-cudagraphs" if compile == "max-autotune" else None
+            self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, mode=mode)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.warmup_seconds: dict[int, float] = {}
+        if compile != "off" or cuda_graphs:
+            self._warm_up(progress)
 
-    def prepare(self, chunks: list[tuple[Sequence, int]], block_manager: BlockManager):
-        """Flat inputs of a batch: input_ids, positions, metadata, and the rows that get logits.
+    def _forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc) -> torch.Tensor:
+        """The model step over plain tensors (what torch.compile and CUDA graphs see)."""
+        md = make_metadata((input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc),
+                           self.attention_backend)
+        return self.model(input_ids, positions, md, self.kv_caches)
 
-        A chunk gets logits only if it reaches the end of its sequence's known tokens (a prompt
-        chunk in the middle of a prompt samples nothing).
-        """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        seq_lens: list[int] = []
-        query_start_loc = [0]
-        logits_indices: list[int] = []
-        tables = []
-        bs = self.block_size
-        for seq, num_new in chunks:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            table = block_manager.block_table(seq.seq_id)
-            tokens = seq.token_ids
-            input_ids.extend(tokens[start:end])
-            positions.extend(range(start, end))
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            tables.append(table)
-            if end == seq.num_tokens:
-                logits_indices.append(query_start_loc[-1] - 1)
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        dev = self.device
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(dev),
-            block_tables=block_tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(dev),
-            backend=self.attention_backend,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev)
-        pos = torch.tensor(positions, dtype=torch.int64).to(dev)
-        return ids, pos, md, torch.tensor(logits_indices, dtype=torch.int64).to(dev)
+    def _recompile_budget(self):
+        """Dynamo's recompile limit, raised for this call only: every bucket is one specialisation."""
+        limit = len(self.buckets) + 8
+        return torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit))
+
+    @torch.inference_mode()
+    def _warm_up(self, progress: bool) -> None:
+        """Compile (and capture) every bucket now, largest first, so serving never compiles."""
+        what = "compiling + capturing" if self.cuda_graphs else "compiling"
+        pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        for bucket in tqdm(sorted(self.buckets, reverse=True), desc=f"{what} buckets", unit="bucket",
+                           disable=not progress):
+            start = time.perf_counter()
+            self.buffers.fill(None, bucket)
+            views = self.buffers.views(bucket)
+            step = self._compiled or self._forward
+            with self._recompile_budget():
+                step(*views)
+            if self.cuda_graphs:
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool), self._recompile_budget():
+                    out = step(*views)
+                self._graphs[bucket] = (graph, out)
+            self.warmup_seconds[bucket] = time.perf_counter() - start
+            logger.info("fastgen: bucket %d tokens ready in %.2f s (%s)", bucket, self.warmup_seconds[bucket], what)
 
     @torch.inference_mode()
     def execute(self, chunks: list[tuple[Sequence, int]], block_manager: BlockManager) -> torch.Tensor:
         """Run one step; fp32 logits `[N, vocab]` for the chunks that end their sequence, in order."""
-        ids, pos, md, logits_indices = self.prepare(chunks, block_manager)
-        hidden = self.model(ids, pos, md, self.kv_caches)
+        host = build_host_inputs(chunks, block_manager)
+        bucket = pick_bucket(self.buckets, host.num_tokens) if self.buckets else None
+        if bucket is None:
+            hidden = self._forward(*self._exact_tensors(host))
+        else:
+            self.buffers.fill(host, bucket)
+            if bucket in self._graphs:
+                graph, out = self._graphs[bucket]
+                graph.replay()
+                hidden = out
+            elif self._compiled is not None:
+                with self._recompile_budget():
+                    hidden = self._compiled(*self.buffers.views(bucket))
+            else:
+                hidden = self._forward(*self.buffers.views(bucket))
+        logits_indices = torch.tensor(host.logits_indices, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[logits_indices])
+
+    def _exact_tensors(self, host) -> tuple[torch.Tensor, ...]:
+        """Unpadded device tensors of a step (eager path: no bucket holds it, or no buckets)."""
+        dev = self.device
+        width = max(len(t) for t in host.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in host.block_tables]
+        return (
+            torch.tensor(host.input_ids, dtype=torch.int64).to(dev),
+            torch.tensor(host.positions, dtype=torch.int64).to(dev),
+            torch.tensor(host.slot_mapping, dtype=torch.int64).to(dev),
+            torch.tensor(tables, dtype=torch.int32).to(dev),
+            torch.tensor(host.seq_lens, dtype=torch.int32).to(dev),
+            torch.tensor(host.query_start_loc, dtype=torch.int32).to(dev),
+        )

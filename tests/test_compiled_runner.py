@@ -1,0 +1,86 @@
+"""The compile-first runner: bucket padding, torch.compile per bucket, no recompiles, eager overflow.
+
+Outputs with padding and with compilation must equal the eager runner's token for token on the
+parity batch (the eager runner itself is checked against HF in test_engine_parity.py).
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fastgen
+from fastgen.step_inputs import HostStepInputs, StaticBuffers, pick_bucket
+
+SMALL = dict(num_kv_blocks=48, block_size=4, token_budget=32, max_seqs=8, progress=False)
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([1, 2, 5, 9, 17, 33, 40, 3, 12, 70])]
+
+
+def _generate(path: str, **options) -> tuple[list[list[int]], fastgen.Pipeline]:
+    pipe = fastgen.pipeline(path, **{**SMALL, **options})
+    pipe.engine.eos_token_ids = set()
+    out = pipe(_prompts(), max_new_tokens=12, do_sample=False)
+    return [r.token_ids for r in out], pipe
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_padded_buckets_equal_exact_shapes(model_type, tiny_checkpoints):
+    path = tiny_checkpoints[model_type]
+    exact, _ = _generate(path)
+    padded, pipe = _generate(path, buckets=[1, 2, 4, 8, 16])  # steps > 16 tokens run unpadded
+    assert padded == exact
+    assert pipe.engine.block_manager.num_free_blocks == SMALL["num_kv_blocks"]
+
+
+def test_compiled_equals_eager_without_recompiling(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    eager, _ = _generate(path)
+    pipe = fastgen.pipeline(path, **SMALL, compile="default", buckets=[2, 8, 16])
+    assert sorted(pipe.engine.runner.warmup_seconds) == [2, 8, 16]
+    graphs_after_warmup = counters["stats"]["unique_graphs"]
+    pipe.engine.eos_token_ids = set()
+    # Mixed steps of 1..32 tokens: buckets 2/8/16 padded and compiled, bigger steps eager.
+    compiled = [r.token_ids for r in pipe(_prompts(), max_new_tokens=12, do_sample=False)]
+    assert compiled == eager
+    assert counters["stats"]["unique_graphs"] == graphs_after_warmup, "serving recompiled after warm-up"
+
+
+def test_pick_bucket():
+    assert pick_bucket([1, 2, 4, 8], 1) == 1
+    assert pick_bucket([1, 2, 4, 8], 3) == 4
+    assert pick_bucket([1, 2, 4, 8], 8) == 8
+    assert pick_bucket([1, 2, 4, 8], 9) is None
+
+
+def test_static_buffers_pad_and_clear_stale_columns():
+    buf = StaticBuffers(max_tokens=8, max_seqs=4, max_blocks_per_seq=5, device=torch.device("cpu"))
+    long_step = HostStepInputs(list(range(8)), list(range(8)), list(range(8)), [8], [0, 8], [[1, 2, 3, 4, 5]], [7])
+    buf.fill(long_step, 8)
+    short = HostStepInputs([9, 10, 11], [4, 0, 1], [17, 20, 21], [5, 2], [0, 1, 3], [[4, 5], [6]], [0, 2])
+    buf.fill(short, 4)
+    ids, pos, slots, tables, seq_lens, qsl = buf.views(4)
+    assert ids.tolist() == [9, 10, 11, 0] and pos.tolist() == [4, 0, 1, 0]
+    assert slots.tolist() == [17, 20, 21, -1]
+    assert seq_lens.tolist() == [5, 2, 0, 0]
+    assert qsl.tolist() == [0, 1, 3, 3, 3]
+    assert tables.tolist() == [[4, 5, 0, 0, 0], [6, 0, 0, 0, 0], [0] * 5, [0] * 5]
+    buf.fill(None, 2)
+    assert buf.views(2)[2].tolist() == [-1, -1] and buf.views(2)[4].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(compile="fast"), "compile must be"),
+    (dict(buckets=[4, 64]), "largest bucket"),
+    (dict(buckets=[0, 4]), "buckets must be"),
+    (dict(cuda_graphs="yes"), "cuda_graphs must be a bool"),
+])
+def test_bad_compile_options(options, message, tiny_checkpoints):
+    with pytest.raises((ValueError, TypeError), match=message):
+        fastgen.pipeline(tiny_checkpoints["llama"], **{**SMALL, **options})
+
+
+def test_cuda_graphs_on_cpu_is_a_clear_error(tiny_checkpoints):
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        fastgen.pipeline(tiny_checkpoints["llama"], **SMALL, device="cpu", cuda_graphs=True)
