@@ -6,12 +6,38 @@
     responses = pipe(["Hello", "DeepSpeed is"], max_new_tokens=64)
 """
 
+from typing import TYPE_CHECKING, Any
+
 from fastgen.api import Pipeline, pipeline
 from fastgen.config import EngineConfig
 from fastgen.engine import DEMO_MODEL_DIR, Engine
 from fastgen.outputs import Response
+from fastgen.policy import explain
 from fastgen.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the serving stack (grpc) is imported only when serve()/client() is called
+    from fastgen.serving.client import AsyncClient, Client
 
 __version__ = "0.1.0"
 
-__all__ = ["DEMO_MODEL_DIR", "Engine", "EngineConfig", "Pipeline", "Response", "SamplingParams", "pipeline"]
+
+def serve(model_name_or_path: str | None = None, **config: Any) -> "Client":
+    """Start a persistent deployment (gRPC, optionally REST) in its own process; return its `Client`.
+
+    MII's options (`deployment_name`, `replica_num`, `port_number`, `enable_restful_api`, ...) and
+    every `EngineConfig` field are accepted; see `fastgen.serving.deployment.serve`.
+    """
+    from fastgen.serving.deployment import serve as _serve
+
+    return _serve(model_name_or_path, **config)
+
+
+def client(deployment_name_or_address: str, *, asynchronous: bool = False) -> "Client | AsyncClient":
+    """Connect to a running deployment by name (this machine) or 'host:port'; `asynchronous=True`
+    returns an `AsyncClient`."""
+    from fastgen.serving.client import client as _client
+
+    return _client(deployment_name_or_address, asynchronous=asynchronous)
+
+
+__all__ = ["DEMO_MODEL_DIR", "Engine", "EngineConfig", "Pipeline", "Response", "SamplingParams", "explain", "pipeline", "client", "serve"]

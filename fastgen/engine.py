@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from typing import Sequence as Seq
 
 import torch
@@ -18,9 +19,12 @@ import torch
 from fastgen.block_manager import BlockManager
 from fastgen.config import EngineConfig
 from fastgen.detokenizer import TextStream
-from fastgen.model_runner import ModelRunner, available_memory, kv_bytes_per_block
+from fastgen.hardware import detect_hardware
+from fastgen.model_facts import model_facts
+from fastgen.model_runner import ModelRunner, kv_bytes_per_block
 from fastgen.models.loader import load_model
 from fastgen.outputs import Response
+from fastgen.policy import make_plan
 from fastgen.sampler import Sampler, SamplingMetadata, make_generator
 from fastgen.sampling_params import SamplingParams
 from fastgen.scheduler import Scheduler
@@ -32,29 +36,22 @@ DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_
 """The small Llama-architecture model shipped inside the package (used when no model is named)."""
 
 
-def _choose_device(requested: str | None) -> torch.device:
-    if requested is not None:
-        device = torch.device(requested)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {requested!r} requested but CUDA is not available")
-        return device
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 class Engine:
     """Owns model, KV cache, scheduler and sampler; turns requests into `Response` deltas."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = _choose_device(config.device)
-        dtype = config.dtype
-        loaded = load_model(config.model or DEMO_MODEL_DIR, dtype=dtype, device=self.device, progress=config.progress)
-        model_dtype = next(loaded.model.parameters()).dtype
-        if dtype is None and self.device.type == "cpu" and model_dtype == torch.float16:
-            # This CPU class has no fast fp16 matmul; bf16 keeps the range and runs ~100x faster.
-            loaded.model.to(torch.bfloat16)
-            model_dtype = torch.bfloat16
-        self.dtype = model_dtype
+        model_path = config.model or DEMO_MODEL_DIR
+        overrides = config.plan_overrides()
+        if overrides["compile"] is None and os.environ.get("FASTGEN_COMPILE"):
+            overrides["compile"] = os.environ["FASTGEN_COMPILE"]
+        self.plan = make_plan(model_facts(model_path), detect_hardware(config.device), **overrides)
+        plan = self.plan
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        logger.info("fastgen plan for %s on %s:\n%s", model_path, self.device, plan.table())
+
+        loaded = load_model(model_path, dtype=plan.dtype, device=self.device, progress=config.progress)
+        self.dtype = plan.dtype
         self.model_config = loaded.config
         self.model_dir = loaded.model_dir
         self.eos_token_ids = set(loaded.eos_token_ids)
@@ -65,22 +62,23 @@ class Engine:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         self.vocab_size = self.model_config.vocab_size
 
-        head_dim = self.model_config.head_dim
-        self.block_size = config.block_size or (128 if head_dim <= 64 else 64)
+        self.block_size = plan.block_size
         model_max = self.model_config.max_position_embeddings
         if config.max_length is not None and config.max_length > model_max:
             raise ValueError(f"max_length {config.max_length} exceeds the model's context of {model_max} tokens")
         wanted_len = config.max_length or model_max
-        num_blocks = self._num_kv_blocks(loaded.model, wanted_len)
+        num_blocks = self._num_kv_blocks(wanted_len)
         self.max_model_len = min(wanted_len, num_blocks * self.block_size)
+        # Without compilation or graphs, padding to a bucket only adds work: run exact shapes.
+        static = plan.compile != "off" or plan.cuda_graphs or config.buckets is not None
         self.runner = ModelRunner(
             loaded.model, self.model_config, num_blocks, self.block_size, self.device, self.dtype,
-            attention_backend=config.attention_backend, buckets=config.resolved_buckets(), max_seqs=config.max_seqs,
-            max_model_len=self.max_model_len, compile=config.compile, cuda_graphs=config.cuda_graphs,
-            progress=config.progress,
+            attention_backend=plan.attention_backend, buckets=plan.buckets if static else (),
+            max_seqs=plan.max_seqs, max_model_len=self.max_model_len, compile=plan.compile,
+            cuda_graphs=plan.cuda_graphs, progress=config.progress,
         )
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.token_budget, config.max_seqs)
+        self.scheduler = Scheduler(self.block_manager, plan.token_budget, plan.max_seqs)
         self.sampler = Sampler()
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -88,26 +86,19 @@ class Engine:
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
         self.requests: dict[str, list[Sequence]] = {}
+        self._num_steps = 0
+        self._step_seconds = 0.0
         logger.info("fastgen engine: %s on %s, %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_dir, self.device, self.dtype, num_blocks, self.block_size, self.max_model_len)
 
-    def _num_kv_blocks(self, model: torch.nn.Module, max_len: int) -> int:
-        """KV blocks from the config, or from free memory after the weights are in place."""
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
+    def _num_kv_blocks(self, max_len: int) -> int:
+        """KV blocks from `num_kv_blocks`, else from the plan's KV memory, capped at what max_seqs
+        full-length sequences could ever use."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
-        if isinstance(cfg.kv_cache_memory, int):
-            budget = cfg.kv_cache_memory
-        else:
-            default_fraction = 0.9 if self.device.type == "cuda" else 0.2
-            budget = int(available_memory(self.device) * (cfg.kv_cache_memory or default_fraction))
-        # More than every seat filled to full length can never be used.
-        useful = cfg.max_seqs * -(-max_len // self.block_size)
-        num_blocks = min(budget // per_block, useful)
-        if num_blocks < 1:
-            raise ValueError(f"KV-cache memory {budget} bytes holds no block of {per_block} bytes; raise kv_cache_memory")
-        return num_blocks
+        useful = self.plan.max_seqs * -(-max_len // self.block_size)
+        return max(1, min(self.plan.kv_cache_memory // per_block, useful))
 
     # Requests -------------------------------------------------------------------------------
 
@@ -185,6 +176,7 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are pending (KV cache too small?)")
             return []
+        started = time.perf_counter()
         logits = self.runner.execute(batch.chunks, self.block_manager)
         to_sample = []
         for seq, num_new in batch.chunks:
@@ -194,12 +186,37 @@ class Engine:
                 if seq.children and seq.num_computed_tokens >= seq.num_prompt_tokens:
                     self.scheduler.fork_children(seq)
         if not to_sample:
+            self._count_step(started)  # on a GPU without the sync, the next step's time absorbs this one's
             return []
         tokens, logprobs = self._sample(logits, to_sample)
         outputs = []
         for row, (seq, token) in enumerate(zip(to_sample, tokens)):
             outputs.append(self._append_token(seq, token, None if logprobs is None else logprobs[row]))
+        self._count_step(started)
         return outputs
+
+    def _count_step(self, started: float) -> None:
+        self._num_steps += 1
+        self._step_seconds += time.perf_counter() - started
+
+    def stats(self) -> dict[str, float]:
+        """A snapshot for metrics: requests, waiting/running sequences, KV blocks, prefix-cache hit rate,
+        steps that ran the model and their total seconds.
+
+        Safe to call from another thread while the engine steps (it only reads counters); the numbers
+        may then be a step apart from each other.
+        """
+        blocks = self.block_manager
+        return {
+            "num_requests": len(self.requests),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "kv_blocks_total": blocks.num_blocks,
+            "kv_blocks_free": blocks.num_free_blocks,
+            "prefix_cache_hit_rate": blocks.stats.hit_rate,
+            "num_steps": self._num_steps,
+            "step_seconds_total": self._step_seconds,
+        }
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Next token per sequence (one host sync), and per-row logprob dicts when asked."""

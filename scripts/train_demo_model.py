@@ -2,13 +2,15 @@
 
 `fastgen.pipeline()` loads this model when no model is named, and `make demo` runs it. It is
 trained only on text that ships with every Python (the `pydoc_data` topics and standard-library
-docstrings), so it can be rebuilt anywhere, offline, in about 25 minutes on 2 CPU cores:
+docstrings), so it can be rebuilt anywhere, offline, in well under an hour on 2 CPU cores:
 
-    python scripts/train_demo_model.py                 # 2000 steps: about 22 minutes, then saves
-    python scripts/train_demo_model.py --steps 500     # a shorter (worse) run
-    python scripts/train_demo_model.py --quick --out /tmp/demo   # smoke run, a few seconds
+    python scripts/train_demo_model.py                 # 2000 steps: 35 minutes on 2 shared cores
+    python scripts/train_demo_model.py --quick --out /tmp/demo   # smoke run, under a minute
 
-Its output is English-looking text about Python, not meaningful answers.
+The corpus is only ~0.6 M tokens, so longer runs memorise it: at 2000 steps the train loss fell
+to 0.86 while the held-out loss rose from 3.30 (step 1250) to 3.58; the shipped model is that
+run, whose greedy text reads more fluently than the 1200-step one. The output is English-looking
+text about Python, not meaningful answers.
 """
 
 from __future__ import annotations
@@ -213,7 +215,7 @@ def main() -> None:
     """Parse flags, build corpus and tokenizer, train, save, and print sample continuations."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--steps", type=int, default=1200, help="optimizer steps (see the docstring)")
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps (see the docstring)")
     parser.add_argument("--quick", action="store_true", help="smoke run: small corpus, 2 layers, 6 steps")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=4096)

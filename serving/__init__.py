@@ -1,5 +1,6 @@
-"""Persistent serving (gRPC server, clients, REST gateway, replicas).
+"""Persistent serving: gRPC server, clients, REST gateway, replicas.
 
-Only the public API of `fastgen` may be imported from here. The server itself lands with the
-serving issue; until then `fastgen.serve()` raises NotImplementedError saying so.
+Only the public API of `fastgen` is imported from here. Entry points: `fastgen.serve()` and
+`fastgen.client()` (implemented in `deployment.py` and `client.py`), `scripts/serve.py`
+(`launcher.py`), and `grpc_server.GrpcServer` to serve an engine loop inside a process.
 """

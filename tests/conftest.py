@@ -6,6 +6,8 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Compilation costs seconds per bucket; the tests that are about it ask for it explicitly.
+os.environ.setdefault("FASTGEN_COMPILE", "off")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402

@@ -1,0 +1,396 @@
+"""The policy: from the model, the machine and the user's overrides, a `Plan` of how to serve it.
+
+MII chose silently; fastgen chooses and says why. Every choice carries a one-line reason that
+quotes the figure it rests on, and every choice can be overridden by the engine keyword of the
+same name. The figures come from REFERENCE.md (FastGen's defaults, this CPU's and the H200's
+measured rates) and from measurements quoted where they are used.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from fastgen.hardware import Hardware, detect_hardware
+from fastgen.model_facts import ModelFacts, model_facts
+from fastgen.plan import PLAN_FIELDS, Plan, dtype_name, format_bytes, format_count, normalise_overrides
+
+FASTGEN_TOKEN_BUDGET = 768  # FastGen's max_ragged_batch_size
+FASTGEN_MAX_SEQS = 512  # FastGen's max_ragged_sequence_count
+# Matmul GFLOP/s per core of an AVX-512-BF16 CPU without AVX512-FP16: 410 bf16, 185 fp32, 3 fp16 on 2 cores
+# (REFERENCE.md section 3). Hosts with AMX-BF16 run bf16 faster; these are their lower bounds.
+CPU_GFLOPS_PER_CORE = {"bfloat16": 205.0, "float32": 92.5, "float16": 1.5}
+# Batch-1 decode streams weights at ~22-25 GB/s on 2 cores of this CPU class (REFERENCE.md section 3); like
+# the matmul rate, taken to scale with cores, so the ratio of the two (what the budget floor rests on) does not.
+CPU_WEIGHT_STREAM_GBPS_PER_CORE = 11.5
+# FastGen's SLA tiers ask >= 2, 4 or 6 tokens/s per stream: a full step must stay under 0.5 s.
+CPU_STEP_TARGET_S = 0.5
+# Every step streams all weights once; the budget keeps that under 10% of a step's matmul time.
+CPU_STREAM_SHARE = 0.1
+CPU_KV_RAM_FRACTION = 0.2  # RAM is shared with the OS, the page cache and other processes
+A100_BF16_TFLOPS = 312.0  # the GPU FastGen's 768-token budget was tuned on (dense bf16 spec)
+H200_BF16_TFLOPS = 790.0  # measured on the H200 (REFERENCE.md section 3)
+GPU_MEMORY_FRACTION = 0.9  # of free device memory; the rest absorbs fragmentation
+GPU_WORKSPACE_BYTES = 512 << 20  # cuBLAS/Triton workspaces and CUDA-graph pool slack
+KV_ROOM = 0.2  # a device must hold the weights plus 20% more for KV cache
+# A 768-token fp32 step of 30M params takes 0.25 s on this CPU; below that, precision costs no time.
+TINY_FP32_PARAMS = 30_000_000
+
+
+def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
+    """Choose every `Plan` field for `model` on `hardware`; `overrides` (engine keywords) always win.
+
+    A None override (or "auto") means "let the policy choose". An unknown keyword is a TypeError;
+    an override this machine or model cannot honour is a ValueError naming the field and why.
+    """
+    user = normalise_overrides(overrides)
+    _check_overrides_fit_hardware(user, model, hardware)
+    cpu = hardware.device_type == "cpu"
+    reasons: dict[str, str] = {}
+
+    def pick(name: str, choose: Callable[[], tuple[Any, str]]) -> Any:
+        if name in user:
+            reasons[name] = "set by the user"
+            return user[name]
+        value, reasons[name] = choose()
+        return value
+
+    def reserve(tp: int) -> int:
+        return _activation_reserve(model, hardware, dtype, budget, max_seqs, tp)
+
+    dtype = pick("dtype", lambda: _choose_dtype(model, hardware))
+    attention = pick("attention_backend", lambda: _choose_attention(hardware))
+    compile_mode = pick("compile", lambda: _choose_compile(hardware))
+    graphs = pick("cuda_graphs", lambda: _choose_cuda_graphs(hardware))
+    budget = pick("token_budget", lambda: _choose_token_budget(model, hardware, dtype))
+    floor = max(max(user.get("buckets", (0,))), user.get("max_seqs", 0))
+    if "token_budget" not in user and floor > budget:
+        budget = floor
+        reasons["token_budget"] = f"raised to {floor} to hold the buckets/max_seqs you set"
+    max_seqs = pick("max_seqs", lambda: (min(FASTGEN_MAX_SEQS, budget),
+                                         f"FastGen's {FASTGEN_MAX_SEQS} sequences per step, at most token_budget "
+                                         "(each scheduled sequence gets at least one token)"))
+    buckets = pick("buckets", lambda: _choose_buckets(hardware, budget))
+    block_size = pick("block_size", lambda: _choose_block_size(model))
+    if buckets[-1] > budget:
+        raise ValueError(f"token_budget {budget} is smaller than the largest bucket {buckets[-1]}: that bucket could never fill")
+    if max_seqs > budget:
+        raise ValueError(f"max_seqs {max_seqs} exceeds token_budget {budget}: each scheduled sequence needs a token")
+    tp = pick("tensor_parallel", lambda: _choose_tensor_parallel(model, hardware, dtype, reserve))
+    if "tensor_parallel" in user:
+        _check_fits(model, hardware, dtype, tp, reserve(tp))
+    replicas = pick("replica_num", lambda: _choose_replicas(hardware, tp))
+    if not cpu and tp * replicas > hardware.gpu_count:
+        raise ValueError(f"tensor_parallel {tp} x replica_num {replicas} needs {tp * replicas} GPUs; "
+                         f"this machine has {hardware.gpu_count}")
+    kv_room = _kv_room(model, hardware, dtype, tp, reserve(tp))
+    kv = _choose_kv_memory(model, hardware, dtype, tp, kv_room, max_seqs, block_size, user.get("kv_cache_memory"))
+    reasons["kv_cache_memory"] = kv[1]
+    reasons = {name: reasons[name] for name in PLAN_FIELDS}
+    return Plan(dtype=dtype, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
+                buckets=tuple(buckets), token_budget=budget, max_seqs=max_seqs, block_size=block_size,
+                kv_cache_memory=kv[0], tensor_parallel=tp, replica_num=replicas, reasons=reasons)
+
+
+# Decisions ------------------------------------------------------------------------------------
+
+
+def _choose_dtype(model: ModelFacts, hw: Hardware) -> tuple[torch.dtype, str]:
+    """bf16 where it has fast matmuls; fp32 for tiny fp32 checkpoints; fp16 only where it is fast."""
+    saved = model.dtype or torch.float32
+    saved_name = dtype_name(saved) + ("" if model.dtype else " (unsaid: fp32)")
+    if hw.device_type == "cpu":
+        step = FASTGEN_TOKEN_BUDGET * 2 * model.active_params / (_cpu_gflops(hw, "float32") * 1e9)
+        if saved == torch.float32 and step <= CPU_STEP_TARGET_S / 2:
+            return torch.float32, (f"checkpoint is {saved_name} and tiny: a {FASTGEN_TOKEN_BUDGET}-token fp32 step is "
+                                   f"~{step:.2g} s here, so keep full precision")
+        if saved == torch.float16 and "amx_fp16" in hw.cpu_flags:
+            return torch.float16, "checkpoint is float16 and this CPU's AMX-FP16 runs it as fast as bf16"
+        if {"avx512_bf16", "amx_bf16"} & hw.cpu_flags:
+            return torch.bfloat16, (f"checkpoint is {saved_name}; matmul runs {_cpu_rates(hw)}, and bf16 halves the "
+                                    "bytes each decode step streams")
+        return torch.float32, (f"checkpoint is {saved_name}; no AVX512-BF16/AMX here, so bf16 matmuls would be "
+                               "emulated: fp32 is the fast dtype")
+    cc = min(g.compute_capability for g in hw.gpus)
+    if saved == torch.float32 and model.num_params < TINY_FP32_PARAMS:
+        return torch.float32, (f"checkpoint is {saved_name} with {format_count(model.num_params)} params: a step is "
+                               "launch-bound, so full precision costs nothing measurable")
+    if cc < (8, 0):
+        caution = "; a bf16 checkpoint's values past fp16's 65504 would overflow" if saved == torch.bfloat16 else ""
+        return torch.float16, (f"checkpoint is {saved_name}; cc {cc[0]}.{cc[1]} has fp16 tensor cores but no bf16 "
+                               f"(that starts at 8.0){caution}")
+    if saved == torch.float16:
+        return torch.float16, (f"checkpoint is float16: keep it unrounded; cc {cc[0]}.{cc[1]} runs fp16 and bf16 "
+                               "tensor cores at the same rate")
+    return torch.bfloat16, (f"checkpoint is {saved_name}; cc {cc[0]}.{cc[1]} has bf16 tensor cores at fp16's rate "
+                            "and bf16 keeps fp32's range")
+
+
+def _choose_attention(hw: Hardware) -> tuple[str, str]:
+    """Triton on CUDA devices Triton supports (cc >= 8.0), the torch reference elsewhere."""
+    if hw.device_type == "cpu":
+        return "torch", "Triton runs on a CPU only through its interpreter, ~1000x slower than torch"
+    cc = min(g.compute_capability for g in hw.gpus)
+    if cc < (8, 0):
+        return "torch", (f"cc {cc[0]}.{cc[1]}: Triton supports 8.0+, and since Triton 3.3 its tl.dot below 8.0 "
+                         "compiles to FMA (no tensor cores)")
+    return "triton", "one Triton launch serves mixed prefill+decode steps over the block tables"
+
+
+def _choose_compile(hw: Hardware) -> tuple[str, str]:
+    """Inductor's default mode; max-autotune only on request (its GEMM search costs minutes per bucket)."""
+    if hw.device_type == "cpu":
+        return "default", ("Inductor C++ fuses norms, rotary, residual adds and the MLP; first compile ~17 s, "
+                           "~1 s per further bucket, ~2.5 s with a warm cache")
+    return "default", ("Inductor fuses norms, rotary, residual adds and the MLP; max-autotune benchmarks GEMM "
+                       "configs per bucket (minutes of start-up), so only when asked")
+
+
+def _choose_cuda_graphs(hw: Hardware) -> tuple[bool, str]:
+    """On for CUDA devices: small decode steps are launch-bound."""
+    if hw.device_type == "cpu":
+        return False, "CUDA graphs exist only on CUDA devices"
+    return True, ("a small decode step is kernel-launch-bound (hundreds of launches per step); replaying one "
+                  "captured graph per bucket removes that cost")
+
+
+def _choose_block_size(model: ModelFacts) -> tuple[int, str]:
+    """FastGen's rule: 64-token blocks for head size 128, 128 for head size <= 64."""
+    if model.head_dim <= 64:
+        return 128, f"FastGen's rule: 128-token blocks for head_dim {model.head_dim} <= 64"
+    return 64, f"FastGen's rule: 64-token blocks for head_dim {model.head_dim} > 64"
+
+
+def _choose_token_budget(model: ModelFacts, hw: Hardware, dtype: torch.dtype) -> tuple[int, str]:
+    """CPU: the largest step that stays near 0.5 s; GPU: FastGen's 768, scaled up on Hopper-class FLOP/s."""
+    if hw.device_type == "cpu":
+        rate = _cpu_gflops(hw, dtype_name(dtype))
+        flop_per_token = 2 * model.active_params
+        fits = int(CPU_STEP_TARGET_S * rate * 1e9 / flop_per_token)
+        full = FASTGEN_TOKEN_BUDGET * flop_per_token / (rate * 1e9)
+        source = "measured" if dtype_name(dtype) in hw.matmul_gflops else f"{hw.cpu_cores} cores"
+        head = (f"{FASTGEN_TOKEN_BUDGET} tokens x 2 x {format_count(model.active_params)} params / {rate:.0f} GFLOP/s "
+                f"({dtype_name(dtype)}, {source}) = {full:.2g} s per step")
+        if fits >= FASTGEN_TOKEN_BUDGET:
+            return FASTGEN_TOKEN_BUDGET, f"FastGen's default: {head}, within the {CPU_STEP_TARGET_S} s step target"
+        # Weight streaming per step (bytes / GB/s) <= 10% of the matmul time (tokens x 2 x params / rate).
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        stream = CPU_WEIGHT_STREAM_GBPS_PER_CORE * hw.cpu_cores
+        least = rate * itemsize / (2 * stream * CPU_STREAM_SHARE)
+        floor = min(FASTGEN_TOKEN_BUDGET, 1 << (int(least) - 1).bit_length())
+        budget = max(floor, 1 << (max(fits, 1).bit_length() - 1))
+        why = f"{head}; a {CPU_STEP_TARGET_S} s step (FastGen's 2 tokens/s SLA) fits {fits} tokens"
+        if budget == floor and fits < floor:
+            why += (f"; floored at {floor} so re-streaming the weights each step (~{stream:.0f} GB/s) "
+                    f"stays under {CPU_STREAM_SHARE:.0%} of its time")
+        return budget, why
+    cc = min(g.compute_capability for g in hw.gpus)
+    if cc >= (9, 0):
+        scaled = FASTGEN_TOKEN_BUDGET * H200_BF16_TFLOPS / A100_BF16_TFLOPS
+        return 2048, (f"Hopper-class: {H200_BF16_TFLOPS:.0f} TFLOP/s bf16 (H200, measured) vs the A100's "
+                      f"{A100_BF16_TFLOPS:.0f} FastGen tuned {FASTGEN_TOKEN_BUDGET} on; {scaled:.0f} tokens keep its "
+                      "step time, rounded to 2048")
+    return FASTGEN_TOKEN_BUDGET, f"FastGen's default ({FASTGEN_TOKEN_BUDGET}), tuned on A100-class GPUs"
+
+
+def _choose_buckets(hw: Hardware, budget: int) -> tuple[tuple[int, ...], str]:
+    """CPU: powers of two (each shape is a compile); GPU: vLLM's capture sizes, then powers of two."""
+    powers = [1 << i for i in range(budget.bit_length()) if 1 << i <= budget]
+    if hw.device_type == "cpu":
+        sizes = sorted(set(powers) | {budget})
+        return tuple(sizes), (f"powers of two and the budget: {len(sizes)} shapes at ~1 s of Inductor compile each "
+                              "(warm cache), padding < 2x")
+    vllm = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
+    sizes = sorted({s for s in vllm if s <= budget} | {p for p in powers if p > 512} | {budget})
+    return tuple(sizes), (f"vLLM's capture sizes (pad <= 7 tokens to 256, <= 15 to 512), then powers of two and "
+                          f"the budget: {len(sizes)} compiles + captures at start (pass fewer buckets to start faster)")
+
+
+def _choose_tensor_parallel(model: ModelFacts, hw: Hardware, dtype: torch.dtype,
+                            reserve: Callable[[int], int]) -> tuple[int, str]:
+    """1 if the weights (+20% KV room) fit one device, else the smallest power of two that fits."""
+    weights = model.weight_bytes(dtype)
+    if hw.device_type == "cpu":
+        _check_fits(model, hw, dtype, 1, reserve(1))
+        return 1, (f"one process already spreads each matmul over all {hw.cpu_cores} cores; "
+                   f"{format_bytes(weights)} of weights fit the {format_bytes(hw.ram_available)} of RAM available")
+    usable = _usable_gpu_bytes(hw)
+
+    def need(tp: int) -> float:
+        return weights / tp * (1 + KV_ROOM) + reserve(tp)
+
+    if need(1) <= usable:
+        return 1, f"{format_bytes(weights)} of weights (+20% KV room) fit one GPU ({format_bytes(usable)} usable)"
+    candidates = [1 << i for i in range(1, hw.gpu_count.bit_length()) if _divides_heads(model, 1 << i)]
+    for tp in candidates:
+        if need(tp) <= usable:
+            return tp, (f"{format_bytes(weights)} of weights (+20% KV room) need {format_bytes(need(tp // 2))} "
+                        f"per GPU at TP={tp // 2}, more than the {format_bytes(usable)} usable; TP={tp} needs "
+                        f"{format_bytes(need(tp))} and divides {model.num_heads} heads / {model.num_kv_heads} KV heads")
+    largest = candidates[-1] if candidates else 1
+    raise ValueError(
+        f"model too large: {format_bytes(weights)} of {dtype_name(dtype)} weights (+20% KV room) need "
+        f"{format_bytes(need(largest))} per GPU even at TP={largest}, and each of the {hw.gpu_count} GPU(s) has "
+        f"{format_bytes(usable)} usable"
+        + ("" if candidates or hw.gpu_count == 1 else f" (no power-of-two TP divides {model.num_heads} heads)"))
+
+
+def _choose_replicas(hw: Hardware, tp: int) -> tuple[int, str]:
+    """One replica (MII's default); the reason says how many the GPUs would hold."""
+    if hw.device_type == "cpu":
+        return 1, f"one replica already uses all {hw.cpu_cores} cores"
+    fit = hw.gpu_count // tp
+    if fit == 1:
+        return 1, f"MII's default; at TP {tp} one replica already takes {tp} of the {hw.gpu_count} GPU(s)"
+    return 1, (f"MII's default; {hw.gpu_count} GPUs / TP {tp} would hold {fit} replicas: "
+               f"pass replica_num={fit} for up to {fit}x throughput")
+
+
+def _choose_kv_memory(model: ModelFacts, hw: Hardware, dtype: torch.dtype, tp: int, room: int,
+                      max_seqs: int, block_size: int, user: int | float | None) -> tuple[int, str]:
+    """Bytes of KV cache per device: a share of what the weights and activations leave."""
+    per_token = model.kv_bytes(dtype, tp)
+    where = "RAM available" if hw.device_type == "cpu" else f"{GPU_MEMORY_FRACTION} of free GPU memory"
+    if isinstance(user, float):
+        kv, why = int(room * user), f"set by the user: {user} of the {format_bytes(room)} left after weights and activations"
+    elif isinstance(user, int):
+        if user > room:
+            raise ValueError(f"kv_cache_memory {format_bytes(user)} exceeds the {format_bytes(room)} of {where} left after "
+                             "weights and activations")
+        kv, why = user, "set by the user"
+    else:
+        full_len = -(-model.max_position_embeddings // block_size) * block_size
+        useful = max_seqs * full_len * per_token
+        share = CPU_KV_RAM_FRACTION if hw.device_type == "cpu" else 1.0
+        kv = min(int(room * share), useful)
+        what = (f"{CPU_KV_RAM_FRACTION} of the {format_bytes(room)} of RAM left after weights and activations (shared machine)"
+                if hw.device_type == "cpu" else f"{where} minus weights and activations")
+        capped = f", capped at {max_seqs} full-length sequences" if kv == useful else ""
+        why = f"{what}{capped}: {kv // per_token:,} tokens at {per_token:,} B/token"
+    if kv < block_size * per_token:
+        raise ValueError(f"kv_cache_memory {kv} bytes holds no {block_size}-token block ({block_size * per_token} bytes)")
+    return kv, why
+
+
+# Checks and estimates -------------------------------------------------------------------------
+
+
+def _check_overrides_fit_hardware(user: dict[str, Any], model: ModelFacts, hw: Hardware) -> None:
+    """Raise ValueError for overrides this machine or model cannot honour."""
+    cpu = hw.device_type == "cpu"
+    if cpu and user.get("cuda_graphs"):
+        raise ValueError("cuda_graphs=True needs a CUDA device; this plan is for the CPU")
+    if cpu and user.get("attention_backend") == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' on a CPU needs TRITON_INTERPRET=1 (the interpreter, ~1000x slower)")
+    if cpu and user.get("dtype") == torch.float16 and not {"avx512_fp16", "amx_fp16"} & hw.cpu_flags:
+        raise ValueError("dtype float16 on a CPU without AVX512-FP16 or AMX-FP16: fp16 matmul runs ~3 GFLOP/s there, "
+                         "~100x slower than bf16 (~410). Use bfloat16")
+    if not cpu and user.get("dtype") == torch.bfloat16:
+        cc = min(g.compute_capability for g in hw.gpus)
+        if cc < (8, 0):
+            raise ValueError(f"dtype bfloat16 needs compute capability >= 8.0; this GPU is {cc[0]}.{cc[1]}. Use float16")
+    tp = user.get("tensor_parallel")
+    if tp is not None:
+        if not cpu and tp > hw.gpu_count:
+            raise ValueError(f"tensor_parallel {tp} is larger than the {hw.gpu_count} GPU(s) here")
+        if cpu and tp > hw.cpu_cores:
+            raise ValueError(f"tensor_parallel {tp} is larger than the {hw.cpu_cores} CPU cores here")
+        if not _divides_heads(model, tp):
+            raise ValueError(f"tensor_parallel {tp} must divide the {model.num_heads} attention heads, and the "
+                             f"{model.num_kv_heads} KV heads must divide by it or into it")
+
+
+def _check_fits(model: ModelFacts, hw: Hardware, dtype: torch.dtype, tp: int, reserve: int) -> None:
+    """Raise ValueError when the weights at `tp` leave no room for a KV cache."""
+    if _kv_room(model, hw, dtype, tp, reserve) <= 0:
+        where = "RAM" if hw.device_type == "cpu" else "GPU memory"
+        raise ValueError(f"model too large: {format_bytes(model.weight_bytes(dtype))} of {dtype_name(dtype)} weights at "
+                         f"tensor_parallel {tp} leave no {where} for the KV cache")
+
+
+def _kv_room(model: ModelFacts, hw: Hardware, dtype: torch.dtype, tp: int, reserve: int) -> int:
+    """Bytes per device left for the KV cache after weights and activations."""
+    total = hw.ram_available if hw.device_type == "cpu" else _usable_gpu_bytes(hw)
+    return int(total - model.weight_bytes(dtype) / tp - reserve)
+
+
+def _activation_reserve(model: ModelFacts, hw: Hardware, dtype: torch.dtype, budget: int, max_seqs: int, tp: int) -> int:
+    """Peak activation bytes of one full step per device, with slack for buffer reuse."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    per_token = 3 * model.hidden_size + (qkv + 3 * model.intermediate_size) // tp
+    logits = max_seqs * model.vocab_size * 4 * 2  # fp32 logits plus the sampler's working copy
+    workspace = GPU_WORKSPACE_BYTES if hw.device_type == "cuda" else 0
+    return 2 * budget * per_token * itemsize + logits + workspace
+
+
+def _usable_gpu_bytes(hw: Hardware) -> int:
+    """The policy's share of the least free GPU."""
+    return int(GPU_MEMORY_FRACTION * min(g.free_memory for g in hw.gpus))
+
+
+def _divides_heads(model: ModelFacts, tp: int) -> bool:
+    """Whether `tp` ranks can split the heads (KV heads split, or copied when fewer than ranks)."""
+    kv = model.num_kv_heads
+    return model.num_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+
+
+def _cpu_rates(hw: Hardware) -> str:
+    """The CPU's bf16 / fp32 / fp16 matmul rates as a reason quotes them, with their source."""
+    rates = "/".join(f"{_cpu_gflops(hw, name):.3g}" for name in ("bfloat16", "float32", "float16"))
+    source = "measured here" if hw.matmul_gflops else f"{hw.cpu_cores} cores x the documented AVX512-BF16 per-core rates"
+    return f"~{rates} GFLOP/s in bf16/fp32/fp16 ({source})"
+
+
+def _cpu_gflops(hw: Hardware, dtype_name: str) -> float:
+    """Matmul GFLOP/s of this CPU in `dtype_name`: measured if available, else per-core figures."""
+    if dtype_name in hw.matmul_gflops:
+        return hw.matmul_gflops[dtype_name]
+    per_core = dict(CPU_GFLOPS_PER_CORE)
+    if "avx512f" not in hw.cpu_flags:
+        per_core["float32"] /= 2  # AVX2 has half AVX-512's vector width
+    if not {"avx512_bf16", "amx_bf16"} & hw.cpu_flags:
+        per_core["bfloat16"] = per_core["float32"]  # converted to fp32 in software at best
+    if "amx_fp16" in hw.cpu_flags:
+        per_core["float16"] = per_core["bfloat16"]  # AMX tiles run fp16 at the bf16 rate
+    elif "avx512_fp16" in hw.cpu_flags:
+        per_core["float16"] = per_core["float32"]  # measured on such a host: fp16 ~ fp32, bf16 ~3-5x faster
+    return per_core[dtype_name] * hw.cpu_cores
+
+
+def explain(model_name_or_path: str, *, hardware: Hardware | None = None, **overrides: Any) -> Plan:
+    """Plan how to serve `model_name_or_path` here (or on `hardware`), print it as a table, return it.
+
+    Only config.json is read; `overrides` are the engine keywords the plan's fields are named after.
+    """
+    facts = model_facts(model_name_or_path)
+    hardware = hardware or detect_hardware()
+    plan = make_plan(facts, hardware, **overrides)
+    print(f"model: {model_name_or_path} ({describe_model(facts)})")
+    print(f"hardware: {describe_hardware(hardware)}")
+    print(plan.table())
+    return plan
+
+
+def describe_model(model: ModelFacts) -> str:
+    """One line: family, size, shape and saved dtype."""
+    moe = f", {model.num_experts} experts ({format_count(model.active_params)} active)" if model.num_experts else ""
+    saved = dtype_name(model.dtype) if model.dtype else "dtype unsaid"
+    return (f"{model.model_type}, {format_count(model.num_params)} params{moe}, {model.num_layers} layers, "
+            f"{model.num_heads} heads / {model.num_kv_heads} KV heads of {model.head_dim}, {saved}, "
+            f"context {model.max_position_embeddings}")
+
+
+def describe_hardware(hw: Hardware) -> str:
+    """One line: the GPUs, or the CPU's cores, ISA and RAM."""
+    cpu = (f"{hw.cpu_cores} CPU cores ({hw.cpu_capability}; {' '.join(sorted(hw.cpu_flags)) or 'no AVX'}), "
+           f"{format_bytes(hw.ram_available)} RAM available")
+    if hw.device_type == "cpu":
+        return cpu
+    g = hw.gpus[0]
+    same = all(x.name == g.name for x in hw.gpus)
+    name = f"{hw.gpu_count}x {g.name}" if same else ", ".join(x.name for x in hw.gpus)
+    return (f"{name} (cc {g.compute_capability[0]}.{g.compute_capability[1]}, {g.sm_count} SMs, "
+            f"{format_bytes(g.free_memory)} free of {format_bytes(g.total_memory)}); {cpu}")

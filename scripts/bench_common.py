@@ -1,0 +1,73 @@
+"""Shared pieces of the bench_*.py scripts: a random-weight Llama-shaped checkpoint, seeded
+workloads, and the machine's measured ceilings (memory read bandwidth, matmul rate)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import transformers
+
+from fastgen.engine import DEMO_MODEL_DIR
+
+
+def build_llama_checkpoint(path: str, dtype: torch.dtype, layers: int, hidden: int) -> int:
+    """Save a random-weight Llama-shaped checkpoint with the demo tokenizer; returns its parameter count."""
+    tok = transformers.AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 64 * 64,
+        num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
+        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def workload(n: int, prompt_mean: int, output_mean: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """Seeded (prompt token ids, output length) pairs: normal lengths with a 30% spread."""
+    rng = np.random.default_rng(seed)
+    plens = np.clip(rng.normal(prompt_mean, 0.3 * prompt_mean, n), 16, 8 * prompt_mean).astype(int)
+    olens = np.clip(rng.normal(output_mean, 0.3 * output_mean, n), 4, 8 * output_mean).astype(int)
+    return [(rng.integers(3, vocab, p).tolist(), int(o)) for p, o in zip(plens, olens)]
+
+
+def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of `fn()` (CUDA-synchronised when a GPU is present)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def memory_read_bandwidth(device: torch.device, megabytes: int = 512) -> float:
+    """Bytes/s of streaming reads (a sum over a buffer much larger than the caches)."""
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    return x.numel() * 4 / median_seconds(lambda: x.sum(), repeats=5)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 2048) -> float:
+    """FLOP/s of a square matmul in `dtype`."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / median_seconds(lambda: a @ b, repeats=5)
+
+
+def write_json(path: str, payload: dict) -> None:
+    """Write `payload` to `path`, creating its folder."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2)
+    print(f"\nwrote {path}")

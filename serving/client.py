@@ -1,0 +1,319 @@
+"""Clients of a running deployment: MII's `client.generate(...)` API over fastgen's typed service.
+
+`Client` is blocking, `AsyncClient` has the same methods as coroutines. Generation parameters are
+checked here before anything is sent (the same TypeError/ValueError a pipeline raises); what the
+server rejects (a prompt too long, a token id outside the vocabulary) comes back as the same
+exception type with the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fastgen.outputs import Response
+from fastgen.sampling_params import SamplingParams
+from fastgen.serving import registry
+from fastgen.serving.convert import merge_deltas, normalise_prompts, params_to_proto, prompts_to_proto, \
+    response_from_completion
+from fastgen.serving.grpc_server import CHANNEL_OPTIONS, rejection
+from fastgen.serving.processes import connect_host, pid_alive, wait_until
+from fastgen.serving.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
+
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^:\s]+):(\d{1,5})$")
+
+
+def _request(prompts: Any, gen: dict[str, Any]) -> tuple[pb.GenerateRequest, bool]:
+    """Validate locally and build the request; also whether logprobs were asked for."""
+    params = SamplingParams.from_kwargs(**gen)
+    request = pb.GenerateRequest(prompts=prompts_to_proto(normalise_prompts(prompts)),
+                                 params=params_to_proto(params, fields=gen))
+    return request, params.logprobs is not None
+
+
+def _error(exc: grpc.RpcError, address: str) -> Exception:
+    """The Python exception a failed call stands for."""
+    rejected = rejection(exc)
+    if rejected is not None:
+        return rejected
+    code, details = exc.code(), exc.details()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ConnectionError(f"fastgen deployment at {address} is unavailable: {details}")
+    return RuntimeError(f"fastgen deployment at {address} failed the call ({code.name}): {details}")
+
+
+def _message_dict(msg: Any) -> dict[str, Any]:
+    """A message as plain Python values (ints stay ints, unlike protobuf's JSON mapping)."""
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            out[field.name] = dict(value)
+        elif field.is_repeated:
+            out[field.name] = [_message_dict(v) if field.message_type is not None else v for v in value]
+        elif field.message_type is not None:
+            out[field.name] = _message_dict(value)
+        else:
+            out[field.name] = value
+    return out
+
+
+def _tokenize_request(texts: str | list[str], add_special_tokens: bool) -> pb.TokenizeRequest:
+    if isinstance(texts, str):
+        texts = [texts]
+    elif not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+        raise TypeError(f"texts must be a str or a list of str, got {type(texts).__name__}")
+    return pb.TokenizeRequest(texts=list(texts), add_special_tokens=add_special_tokens)
+
+
+def _health_name(status: int) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+def resolve(deployment_name_or_address: str) -> tuple[str, dict | None]:
+    """`host:port` as is, or a deployment name on this machine -> (address, its record)."""
+    if not isinstance(deployment_name_or_address, str) or not deployment_name_or_address:
+        raise TypeError(f"expected a deployment name or 'host:port', got {deployment_name_or_address!r}")
+    if _ADDRESS.match(deployment_name_or_address):
+        return deployment_name_or_address, None
+    record = registry.live_record(deployment_name_or_address)
+    if record is None:
+        running = registry.live_names()
+        raise ValueError(f"no running deployment named {deployment_name_or_address!r} on this machine "
+                         f"(running: {', '.join(running) if running else 'none'}; records in "
+                         f"{registry.deployments_dir()}); pass 'host:port' to reach another machine")
+    return f"{connect_host(record['host'])}:{record['port']}", record
+
+
+class Client:
+    """A blocking connection to a deployment. `client(prompts, **gen)` is `client.generate(...)`."""
+
+    def __init__(self, address: str, *, deployment_name: str | None = None, pid: int | None = None,
+                 process: subprocess.Popen | None = None) -> None:
+        self.address = address
+        self.deployment_name = deployment_name
+        self.pid = pid if pid is not None else (process.pid if process is not None else None)
+        self._process = process
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.FastGenStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def generate(self, prompts: Any, streaming_fn: Callable[[list[Response]], Any] | None = None,
+                 **gen: Any) -> list[Response]:
+        """Complete every prompt; one Response per prompt (per prompt and choice with n > 1), in order.
+
+        With `streaming_fn`, it is called with `[delta]` for every delta as it arrives (any number of
+        prompts; see `Response.prompt_index`/`index`), and the final Responses are still returned.
+        """
+        if streaming_fn is None:
+            request, with_logprobs = _request(prompts, gen)
+            try:
+                reply = self._stub.Generate(request)
+            except grpc.RpcError as exc:
+                raise _error(exc, self.address) from None
+            return [response_from_completion(c, with_logprobs) for c in reply.completions]
+        deltas = []
+        for delta in self.stream(prompts, **gen):
+            deltas.append(delta)
+            streaming_fn([delta])
+        return merge_deltas(deltas)
+
+    __call__ = generate
+
+    def stream(self, prompts: Any, **gen: Any) -> Iterator[Response]:
+        """Yield deltas as the server produces them; closing the iterator early cancels the requests."""
+        request, with_logprobs = _request(prompts, gen)
+        call = self._stub.GenerateStream(request)
+        try:
+            for msg in call:
+                yield response_from_completion(msg, with_logprobs)
+        except grpc.RpcError as exc:
+            raise _error(exc, self.address) from None
+        finally:
+            call.cancel()
+
+    def tokenize(self, texts: str | list[str], add_special_tokens: bool = True) -> list[int] | list[list[int]]:
+        """Token ids of a text (a list of ids), or of each text of a list."""
+        try:
+            reply = self._stub.Tokenize(_tokenize_request(texts, add_special_tokens))
+        except grpc.RpcError as exc:
+            raise _error(exc, self.address) from None
+        ids = [list(t.ids) for t in reply.token_ids]
+        return ids[0] if isinstance(texts, str) else ids
+
+    def model_info(self) -> dict[str, Any]:
+        """Model, engine configuration and (behind a load balancer) each replica's state."""
+        try:
+            return _message_dict(self._stub.ModelInfo(pb.ModelInfoRequest()))
+        except grpc.RpcError as exc:
+            raise _error(exc, self.address) from None
+
+    def health(self, service: str = "", timeout: float = 2.0) -> str:
+        """The standard health check: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNREACHABLE"."""
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN"
+            return "UNREACHABLE"
+        return _health_name(reply.status)
+
+    def terminate_server(self, timeout: float = 60.0) -> None:
+        """Stop the deployment (every replica) and wait until its process is gone."""
+        try:
+            self._stub.Terminate(pb.TerminateRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise _error(exc, self.address) from None
+        if self._process is not None:
+            try:
+                self._process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"the deployment process {self._process.pid} did not exit "
+                                   f"within {timeout} s") from None
+        elif self.pid is not None:
+            if not wait_until(lambda: not pid_alive(self.pid), timeout):
+                raise TimeoutError(f"the deployment process {self.pid} did not exit within {timeout} s")
+        elif not wait_until(lambda: self.health(timeout=1.0) == "UNREACHABLE", timeout, interval=0.2):
+            raise TimeoutError(f"the deployment at {self.address} still answers {timeout} s after Terminate")
+        if self.deployment_name is not None:
+            registry.remove_record(self.deployment_name, self.pid)
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection (the deployment keeps running)."""
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        name = f" {self.deployment_name!r}" if self.deployment_name else ""
+        return f"<fastgen Client{name} at {self.address}>"
+
+
+class AsyncClient:
+    """The asyncio client: `await client.generate(...)`, `async for delta in client.stream(...)`."""
+
+    def __init__(self, address: str, *, deployment_name: str | None = None, pid: int | None = None) -> None:
+        self.address = address
+        self.deployment_name = deployment_name
+        self.pid = pid
+        self._channel: grpc.aio.Channel | None = None
+
+    def _stubs(self) -> tuple[pb_grpc.FastGenStub, health_pb2_grpc.HealthStub]:
+        # Created on first use so the channel belongs to the event loop that uses it.
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        return pb_grpc.FastGenStub(self._channel), health_pb2_grpc.HealthStub(self._channel)
+
+    async def generate(self, prompts: Any, streaming_fn: Callable[[list[Response]], Any] | None = None,
+                       **gen: Any) -> list[Response]:
+        """As `Client.generate`; `streaming_fn` may be a plain function or a coroutine function."""
+        if streaming_fn is None:
+            request, with_logprobs = _request(prompts, gen)
+            try:
+                reply = await self._stubs()[0].Generate(request)
+            except grpc.RpcError as exc:
+                raise _error(exc, self.address) from None
+            return [response_from_completion(c, with_logprobs) for c in reply.completions]
+        deltas = []
+        async for delta in self.stream(prompts, **gen):
+            deltas.append(delta)
+            result = streaming_fn([delta])
+            if inspect.isawaitable(result):
+                await result
+        return merge_deltas(deltas)
+
+    __call__ = generate
+
+    async def stream(self, prompts: Any, **gen: Any) -> AsyncIterator[Response]:
+        """Yield deltas as they arrive; leaving the loop early (or cancelling the task) cancels the requests."""
+        request, with_logprobs = _request(prompts, gen)
+        call = self._stubs()[0].GenerateStream(request)
+        try:
+            async for msg in call:
+                yield response_from_completion(msg, with_logprobs)
+        except grpc.RpcError as exc:
+            raise _error(exc, self.address) from None
+        finally:
+            call.cancel()
+
+    async def tokenize(self, texts: str | list[str], add_special_tokens: bool = True) -> list[int] | list[list[int]]:
+        """As `Client.tokenize`."""
+        try:
+            reply = await self._stubs()[0].Tokenize(_tokenize_request(texts, add_special_tokens))
+        except grpc.RpcError as exc:
+            raise _error(exc, self.address) from None
+        ids = [list(t.ids) for t in reply.token_ids]
+        return ids[0] if isinstance(texts, str) else ids
+
+    async def model_info(self) -> dict[str, Any]:
+        """As `Client.model_info`."""
+        try:
+            return _message_dict(await self._stubs()[0].ModelInfo(pb.ModelInfoRequest()))
+        except grpc.RpcError as exc:
+            raise _error(exc, self.address) from None
+
+    async def health(self, service: str = "", timeout: float = 2.0) -> str:
+        """As `Client.health`."""
+        try:
+            reply = await self._stubs()[1].Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as exc:
+            return "SERVICE_UNKNOWN" if exc.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
+        return _health_name(reply.status)
+
+    async def terminate_server(self, timeout: float = 60.0) -> None:
+        """As `Client.terminate_server`."""
+        try:
+            await self._stubs()[0].Terminate(pb.TerminateRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise _error(exc, self.address) from None
+        deadline = time.monotonic() + timeout
+        while not await self._gone():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the deployment at {self.address} did not stop within {timeout} s")
+            await asyncio.sleep(0.1)
+        if self.deployment_name is not None:
+            registry.remove_record(self.deployment_name, self.pid)
+        await self.close()
+
+    async def _gone(self) -> bool:
+        if self.pid is not None:
+            return not pid_alive(self.pid)
+        return await self.health(timeout=1.0) == "UNREACHABLE"
+
+    async def close(self) -> None:
+        """Close the connection (the deployment keeps running)."""
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+def client(deployment_name_or_address: str, *, asynchronous: bool = False) -> Client | AsyncClient:
+    """Connect to a running deployment by its name (on this machine) or by 'host:port' (anywhere)."""
+    address, record = resolve(deployment_name_or_address)
+    name = record["name"] if record else None
+    pid = record["pid"] if record else None
+    if asynchronous:
+        return AsyncClient(address, deployment_name=name, pid=pid)
+    return Client(address, deployment_name=name, pid=pid)

@@ -1,0 +1,177 @@
+"""Translation between the wire messages and fastgen's types (SamplingParams, prompts, Response).
+
+Kept free of any server or client state so both sides, and the replica router, share one
+definition of what a field means.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from fastgen.outputs import Response
+from fastgen.sampling_params import SamplingParams
+from fastgen.serving.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.proto import modelresponse_pb2 as mii_pb
+
+Prompt = str | list[int]
+
+
+def normalise_prompts(prompts: Any) -> list[Prompt]:
+    """A str, a list of str, or a list of token-id lists -> a non-empty list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    out: list[Prompt] = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            out.append(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            out.append(list(prompt))
+        elif isinstance(prompt, int) and not isinstance(prompt, bool):
+            raise TypeError("a flat list of ints is ambiguous: pass token ids as a list of lists, e.g. [[1, 2, 3]]")
+        else:
+            raise TypeError(f"prompts[{i}] must be a str or a list of int token ids, got {type(prompt).__name__}")
+    return out
+
+
+def prompts_to_proto(prompts: Sequence[Prompt]) -> list[pb.Prompt]:
+    """Normalised prompts -> `Prompt` messages."""
+    return [pb.Prompt(text=p) if isinstance(p, str) else pb.Prompt(token_ids=pb.TokenIds(ids=p)) for p in prompts]
+
+
+def prompts_from_proto(prompts: Sequence[pb.Prompt]) -> list[Prompt]:
+    """`Prompt` messages -> str / token-id prompts; an empty list or an unset prompt is a ValueError."""
+    if not prompts:
+        raise ValueError("prompts is empty")
+    out: list[Prompt] = []
+    for i, prompt in enumerate(prompts):
+        kind = prompt.WhichOneof("prompt")
+        if kind is None:
+            raise ValueError(f"prompts[{i}] has neither text nor token_ids")
+        out.append(prompt.text if kind == "text" else list(prompt.token_ids.ids))
+    return out
+
+
+def _repeated(name: str) -> bool:
+    return pb.SamplingParams.DESCRIPTOR.fields_by_name[name].is_repeated
+
+
+def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """A `SamplingParams` message -> validated SamplingParams; unset fields take the defaults."""
+    kwargs: dict[str, Any] = {}
+    for name in SamplingParams.field_names():
+        if _repeated(name):
+            if len(getattr(msg, name)):
+                kwargs[name] = list(getattr(msg, name))
+        elif msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    return SamplingParams(**kwargs)
+
+
+def params_to_proto(params: SamplingParams, fields: Iterable[str] | None = None) -> pb.SamplingParams:
+    """SamplingParams -> message, with every set field (or only `fields`) filled in."""
+    msg = pb.SamplingParams()
+    for name in SamplingParams.field_names() if fields is None else fields:
+        value = getattr(params, name)
+        if value is None:
+            continue
+        if _repeated(name):
+            getattr(msg, name).extend(value)
+        else:
+            setattr(msg, name, value)
+    return msg
+
+
+def completion_from_response(response: Response) -> pb.Completion:
+    """A Response (final or delta) -> `Completion` message."""
+    msg = pb.Completion(
+        prompt_index=response.prompt_index, index=response.index, text=response.generated_text,
+        token_ids=response.token_ids, finish_reason=response.finish_reason, prompt_length=response.prompt_length,
+        generated_length=response.generated_length, num_cached_tokens=response.num_cached_tokens,
+        request_id=response.request_id,
+    )
+    for position in response.logprobs or ():
+        msg.logprobs.add(token_ids=list(position), logprobs=list(position.values()))
+    return msg
+
+
+def response_from_completion(msg: pb.Completion, with_logprobs: bool) -> Response:
+    """A `Completion` message -> Response (logprobs None unless the request asked for them)."""
+    logprobs = [dict(zip(p.token_ids, p.logprobs)) for p in msg.logprobs] if with_logprobs else None
+    return Response(
+        generated_text=msg.text, prompt_length=msg.prompt_length, generated_length=msg.generated_length,
+        finish_reason=msg.finish_reason, token_ids=list(msg.token_ids), logprobs=logprobs, index=msg.index,
+        prompt_index=msg.prompt_index, num_cached_tokens=msg.num_cached_tokens, request_id=msg.request_id,
+    )
+
+
+def merge_deltas(deltas: Iterable[Response]) -> list[Response]:
+    """Concatenate streamed deltas into one final Response per (prompt_index, index), in that order."""
+    merged: dict[tuple[int, int], Response] = {}
+    for delta in deltas:
+        key = (delta.prompt_index, delta.index)
+        done = merged.get(key)
+        if done is None:
+            merged[key] = Response(
+                generated_text=delta.generated_text, prompt_length=delta.prompt_length,
+                generated_length=delta.generated_length, finish_reason=delta.finish_reason,
+                token_ids=list(delta.token_ids), logprobs=None if delta.logprobs is None else list(delta.logprobs),
+                index=delta.index, prompt_index=delta.prompt_index, num_cached_tokens=delta.num_cached_tokens,
+                request_id=delta.request_id,
+            )
+            continue
+        done.generated_text += delta.generated_text
+        done.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            done.logprobs = (done.logprobs or []) + list(delta.logprobs)
+        done.generated_length = delta.generated_length
+        done.finish_reason = delta.finish_reason
+        done.num_cached_tokens = delta.num_cached_tokens
+    return [merged[key] for key in sorted(merged)]
+
+
+def _float32_as_written(value: float) -> float:
+    """MII sends floats as float32 (0.7 arrives as 0.699999988): recover the shortest decimal
+    that rounds to the same float32, which is what the client wrote."""
+    bits = struct.pack("<f", value)
+    for digits in range(1, 10):
+        candidate = float(f"{value:.{digits}g}")
+        if struct.pack("<f", candidate) == bits:
+            return candidate
+    return value
+
+
+def value_from_mii(value: mii_pb.Value) -> Any:
+    """An MII `Value` -> Python value (a `Dictionary` becomes a dict)."""
+    kind = value.WhichOneof("oneof_values")
+    if kind is None:
+        raise ValueError("a query_kwargs value has none of svalue/ivalue/fvalue/bvalue/mvalue set")
+    if kind == "mvalue":
+        return kwargs_from_mii(value.mvalue.values)
+    raw = getattr(value, kind)
+    return _float32_as_written(raw) if kind == "fvalue" else raw
+
+
+def kwargs_from_mii(query_kwargs: Mapping[str, mii_pb.Value]) -> dict[str, Any]:
+    """MII `query_kwargs` -> generation keyword arguments."""
+    return {key: value_from_mii(value) for key, value in query_kwargs.items()}
+
+
+def value_to_mii(value: Any) -> mii_pb.Value:
+    """A Python value -> MII `Value` (what an MII client sends); lists have no MII encoding."""
+    if isinstance(value, bool):
+        return mii_pb.Value(bvalue=value)
+    if isinstance(value, int):
+        return mii_pb.Value(ivalue=value)
+    if isinstance(value, float):
+        return mii_pb.Value(fvalue=value)
+    if isinstance(value, str):
+        return mii_pb.Value(svalue=value)
+    if isinstance(value, dict):
+        return mii_pb.Value(mvalue=mii_pb.Dictionary(values={k: value_to_mii(v) for k, v in value.items()}))
+    raise TypeError(f"MII's Value cannot carry a {type(value).__name__} ({value!r})")

@@ -1,0 +1,296 @@
+"""The gRPC server: fastgen's typed service, MII's `modelresponse` service, health and reflection.
+
+A thread-pool server over one backend (a local engine loop or the replica router): every RPC
+runs in its own worker thread and submits its prompts to the backend, whose engine batches them
+with everyone else's. When a call ends early (client cancelled, disconnected or past its
+deadline) gRPC runs the call's callback, which aborts its requests; the engine frees their KV
+blocks at its next step. Bad requests become INVALID_ARGUMENT with the error's message (which
+names the field) and a `fastgen-error-type` trailer; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf import empty_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from fastgen.outputs import Response
+from fastgen.sampling_params import SamplingParams
+from fastgen.serving.backend import Backend, BackendUnavailable, PromptsStream
+from fastgen.serving.convert import (completion_from_response, kwargs_from_mii, merge_deltas, params_from_proto,
+                                     prompts_from_proto)
+from fastgen.serving.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
+from fastgen.serving.proto import modelresponse_pb2 as mii_pb
+from fastgen.serving.proto import modelresponse_pb2_grpc as mii_grpc
+
+logger = logging.getLogger("fastgen.serving")
+
+ERROR_TYPE_KEY = "fastgen-error-type"
+"""Trailing-metadata key naming the Python exception class behind an INVALID_ARGUMENT."""
+REQUEST_IDS_KEY = "fastgen-request-ids"
+"""Initial-metadata key a GenerateStream sends once all its prompts are accepted."""
+TYPED_SERVICE = pb.DESCRIPTOR.services_by_name["FastGen"].full_name
+"""Full name of fastgen's typed service (also its health-service name)."""
+MII_SERVICE = mii_pb.DESCRIPTOR.services_by_name["ModelResponse"].full_name
+"""Full name of MII's service (also its health-service name)."""
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+"""Largest message either side accepts (gRPC's default of 4 MiB is too small for long token-id prompts)."""
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+"""Channel options shared by the server and our clients (long prompts as token ids are large)."""
+
+
+def rejection(call: grpc.Call) -> Exception | None:
+    """The ValueError/TypeError a failed call's INVALID_ARGUMENT stands for (None for other codes)."""
+    if call.code() != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    kind = dict(call.trailing_metadata() or ()).get(ERROR_TYPE_KEY)
+    return TypeError(call.details()) if kind == "TypeError" else ValueError(call.details())
+
+
+def _fail(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the call with the status that fits `exc` (raises, as `context.abort` does)."""
+    if isinstance(exc, (ValueError, TypeError)):
+        context.set_trailing_metadata(((ERROR_TYPE_KEY, type(exc).__name__),))
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, BackendUnavailable):
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    logger.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def _open(server: "GrpcServer", prompts: list, params: SamplingParams, context: grpc.ServicerContext,
+          field: str = "prompts") -> PromptsStream:
+    """Submit the call's prompts; the call's end (normal or cancelled) aborts what is left."""
+    stream = PromptsStream(server.backend(), prompts, params, field)
+    if not context.add_callback(stream.abort):
+        stream.abort()  # the call had already ended
+    return stream
+
+
+class FastGenServicer(pb_grpc.FastGenServicer):
+    """fastgen.v1.FastGen over a backend."""
+
+    def __init__(self, server: "GrpcServer") -> None:
+        self._server = server
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
+        """Every completion of every prompt, once all are finished."""
+        try:
+            prompts, params = prompts_from_proto(request.prompts), params_from_proto(request.params)
+            completions = merge_deltas(_open(self._server, prompts, params, context))
+        except Exception as exc:
+            _fail(context, exc)
+        return pb.GenerateResponse(completions=[completion_from_response(r) for r in completions])
+
+    def GenerateStream(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.Completion]:
+        """Each completion's deltas as they are produced, interleaved across prompts and choices."""
+        try:
+            prompts, params = prompts_from_proto(request.prompts), params_from_proto(request.params)
+            stream = _open(self._server, prompts, params, context)
+        except Exception as exc:
+            _fail(context, exc)
+        context.send_initial_metadata(((REQUEST_IDS_KEY, ",".join(stream.request_ids)),))
+        try:
+            for delta in stream:
+                yield completion_from_response(delta)
+        except Exception as exc:
+            _fail(context, exc)
+
+    def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
+        """Token ids of each text, as the engine encodes a text prompt."""
+        try:
+            tokenizer = self._server.backend().tokenizer
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = [tokenizer.encode(text, add_special_tokens=special) for text in request.texts]
+        except Exception as exc:
+            _fail(context, exc)
+        return pb.TokenizeResponse(token_ids=[pb.TokenIds(ids=i) for i in ids])
+
+    def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.ServicerContext) -> pb.ModelInfoResponse:
+        """The served model and engine configuration (and replicas, behind a load balancer)."""
+        try:
+            info = self._server.backend().model_info()
+        except Exception as exc:
+            _fail(context, exc)
+        info.deployment_name = self._server.deployment_name
+        return info
+
+    def Terminate(self, request: pb.TerminateRequest, context: grpc.ServicerContext) -> pb.TerminateResponse:
+        """Stop the deployment."""
+        self._server.request_termination()
+        return pb.TerminateResponse()
+
+
+def _mii_reply(response: Response | None, text: str, started: float, accepted: float) -> mii_pb.SingleGenerationReply:
+    """MII's reply for one completion; `response` None = nothing produced yet (counts unknown, 0)."""
+    now = time.perf_counter()
+    if response is None:
+        return mii_pb.SingleGenerationReply(finish_reason="none", time_taken=now - started,
+                                            model_time_taken=now - accepted)
+    return mii_pb.SingleGenerationReply(
+        response=text, finish_reason=response.finish_reason, prompt_tokens=response.prompt_length,
+        generated_tokens=response.generated_length, time_taken=now - started, model_time_taken=now - accepted,
+    )
+
+
+class ModelResponseServicer(mii_grpc.ModelResponseServicer):
+    """DeepSpeed-MII's modelresponse.ModelResponse over a backend.
+
+    `time_taken` counts from the call's arrival, `model_time_taken` from the engine's acceptance
+    of the prompts (so it leaves out parsing and validation).
+    """
+
+    def __init__(self, server: "GrpcServer") -> None:
+        self._server = server
+
+    def _open(self, request: mii_pb.MultiStringRequest,
+              context: grpc.ServicerContext) -> tuple[PromptsStream, list[tuple[int, int]]]:
+        """The stream and its completions' (prompt_index, index) keys, prompt-major."""
+        if not request.request:
+            raise ValueError("request is empty: send at least one prompt")
+        params = SamplingParams.from_kwargs(**kwargs_from_mii(request.query_kwargs))
+        stream = _open(self._server, list(request.request), params, context, field="request")
+        return stream, [(p, c) for p in range(len(request.request)) for c in range(params.n)]
+
+    def GeneratorReply(self, request: mii_pb.MultiStringRequest,
+                       context: grpc.ServicerContext) -> mii_pb.MultiGenerationReply:
+        """One reply per prompt (per prompt and choice with n > 1), in order."""
+        started = time.perf_counter()
+        try:
+            stream, _ = self._open(request, context)
+            accepted = time.perf_counter()
+            finals = merge_deltas(stream)
+        except Exception as exc:
+            _fail(context, exc)
+        replies = [_mii_reply(r, r.generated_text, started, accepted) for r in finals]
+        return mii_pb.MultiGenerationReply(response=replies)
+
+    def GeneratorReplyStream(self, request: mii_pb.MultiStringRequest,
+                             context: grpc.ServicerContext) -> Iterator[mii_pb.MultiGenerationReply]:
+        """Replies with an entry for every completion, in order: its new text since the last reply."""
+        started = time.perf_counter()
+        try:
+            stream, keys = self._open(request, context)
+        except Exception as exc:
+            _fail(context, exc)
+        accepted = time.perf_counter()
+        latest: dict[tuple[int, int], Response] = {}
+        try:
+            for batch in stream.batches():
+                texts: dict[tuple[int, int], str] = {}
+                for delta in batch:
+                    key = (delta.prompt_index, delta.index)
+                    latest[key] = delta
+                    texts[key] = texts.get(key, "") + delta.generated_text
+                yield mii_pb.MultiGenerationReply(response=[
+                    _mii_reply(latest.get(key), texts.get(key, ""), started, accepted) for key in keys])
+        except Exception as exc:
+            _fail(context, exc)
+
+    def Terminate(self, request: empty_pb2.Empty, context: grpc.ServicerContext) -> empty_pb2.Empty:
+        """Stop the deployment."""
+        self._server.request_termination()
+        return empty_pb2.Empty()
+
+
+class GrpcServer:
+    """Both services, health and reflection on one port, over a backend that may arrive later.
+
+    Until `set_backend` the health service says NOT_SERVING and generation calls are UNAVAILABLE
+    (the model is loading). `Terminate` sets `terminated` and calls `on_terminate` if given
+    (the launcher then shuts the whole deployment down), else stops this server.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, deployment_name: str = "",
+                 backend: Backend | None = None, max_workers: int = 128,
+                 on_terminate: Callable[[], None] | None = None) -> None:
+        if not isinstance(max_workers, int) or max_workers < 1:
+            raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
+        self.host = host
+        self.port = port
+        self.deployment_name = deployment_name
+        self.terminated = threading.Event()
+        self._on_terminate = on_terminate
+        self._backend: Backend | None = None
+        self._health = health.HealthServicer()
+        self._server = grpc.server(ThreadPoolExecutor(max_workers, thread_name_prefix="fastgen-grpc"),
+                                   options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+        pb_grpc.add_FastGenServicer_to_server(FastGenServicer(self), self._server)
+        mii_grpc.add_ModelResponseServicer_to_server(ModelResponseServicer(self), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (TYPED_SERVICE, MII_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        for service in ("", TYPED_SERVICE, MII_SERVICE):
+            self.set_health(service, False)
+        self._started = False
+        if backend is not None:
+            self.set_backend(backend)
+
+    @property
+    def address(self) -> str:
+        """host:port as bound (the real port once started)."""
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> int:
+        """Bind and start serving; returns the port. Raises OSError if the port is taken."""
+        target = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        try:
+            port = self._server.add_insecure_port(target)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise OSError(f"cannot listen on {self.host}:{self.port}: the port is already in use "
+                          f"(or the address is not available on this machine)")
+        self.port = port
+        self._server.start()
+        self._started = True
+        return port
+
+    def set_backend(self, backend: Backend) -> None:
+        """Serve from `backend` from now on; health turns SERVING."""
+        self._backend = backend
+        for service in ("", TYPED_SERVICE, MII_SERVICE):
+            self.set_health(service, True)
+
+    def backend(self) -> Backend:
+        """The backend, or BackendUnavailable while none is set."""
+        backend = self._backend
+        if backend is None:
+            raise BackendUnavailable("the deployment is still loading its model; retry when health says SERVING")
+        return backend
+
+    def set_health(self, service: str, serving: bool) -> None:
+        """Report `service` ("" = the whole server) as SERVING or NOT_SERVING."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self._health.set(service, status)
+
+    def request_termination(self) -> None:
+        """What `Terminate` does: flag it, then shut down (through `on_terminate` when given)."""
+        logger.info("terminate requested")
+        self.terminated.set()
+        if self._on_terminate is not None:
+            self._on_terminate()
+        else:
+            threading.Thread(target=self.stop, name="fastgen-grpc-stop", daemon=True).start()
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stop accepting calls, give running ones `grace` seconds, then cancel them (aborting their requests)."""
+        self._health.enter_graceful_shutdown()
+        if self._started:
+            self._server.stop(grace).wait()
+
+    def __enter__(self) -> "GrpcServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop(grace=0)

@@ -1,0 +1,134 @@
+"""Prometheus metrics of one deployment, kept in the deployment's own registry.
+
+The gateway records what only it can see (requests by endpoint and status, tokens, time to first
+token, inter-token latency); the engine's state (queue depth, running sequences, KV blocks,
+prefix-cache hit rate, step time) is read lazily at scrape time from a callback, so a scrape costs
+the engine nothing between scrapes. Nothing is registered globally: two deployments in one
+process (or one test after another) never share a metric.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric, SummaryMetricFamily
+
+logger = logging.getLogger("fastgen")
+
+EngineStats = Callable[[], Mapping[str, float]]
+"""Returns a snapshot like `Engine.stats()`; keys it lacks are simply not exported."""
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+# (key in the stats snapshot, exported gauge name, help text)
+_ENGINE_GAUGES = (
+    ("num_requests", "fastgen_engine_requests", "Requests the engine holds (waiting or running)."),
+    ("num_waiting", "fastgen_engine_sequences_waiting", "Sequences queued in the scheduler, not yet running."),
+    ("num_running", "fastgen_engine_sequences_running", "Sequences the scheduler is running."),
+    ("kv_blocks_total", "fastgen_kv_blocks_total", "KV-cache blocks in the engine."),
+    ("kv_blocks_free", "fastgen_kv_blocks_free", "KV-cache blocks free or held only by the prefix cache."),
+    ("prefix_cache_hit_rate", "fastgen_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / tokens looked up."),
+)
+
+
+class _EngineCollector:
+    """Turns an engine-stats snapshot into gauges (and a step-time summary) at scrape time."""
+
+    def __init__(self, engine_stats: EngineStats) -> None:
+        self._engine_stats = engine_stats
+
+    def describe(self) -> list[Metric]:
+        # Empty on purpose: otherwise registering would call the engine once to learn the names.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = dict(self._engine_stats())
+        except Exception:  # a scrape must never fail because the engine is stopping
+            logger.warning("engine stats unavailable for /metrics", exc_info=True)
+            return
+        for key, name, doc in _ENGINE_GAUGES:
+            if key in stats:
+                yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+        total, free = stats.get("kv_blocks_total"), stats.get("kv_blocks_free")
+        if total and free is not None:
+            yield GaugeMetricFamily("fastgen_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use.",
+                                    value=1.0 - float(free) / float(total))
+        if "num_steps" in stats and "step_seconds_total" in stats:
+            yield SummaryMetricFamily("fastgen_engine_step_seconds", "Wall time of engine steps that ran the model.",
+                                      count_value=int(stats["num_steps"]), sum_value=float(stats["step_seconds_total"]))
+
+
+class ServingMetrics:
+    """Counters, gauges and histograms of one deployment, in their own `CollectorRegistry`.
+
+    `engine_stats` (for example `engine.stats`) is called at each scrape for the engine's
+    queue depth, running sequences, KV-block usage, prefix-cache hit rate and step time.
+    """
+
+    def __init__(self, engine_stats: EngineStats | None = None) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self._requests = Counter("fastgen_http_requests", "HTTP requests by endpoint (route template) and status.",
+                                 ["endpoint", "status"], registry=registry)
+        self._prompt_tokens = Counter("fastgen_prompt_tokens", "Prompt tokens of admitted requests (once per prompt).",
+                                      registry=registry)
+        self._generation_tokens = Counter("fastgen_generation_tokens", "Generated tokens over all choices.",
+                                          registry=registry)
+        self._finished = Counter("fastgen_sequences_finished", "Finished choices by finish reason (abort = cancelled).",
+                                 ["finish_reason"], registry=registry)
+        self._pending = Gauge("fastgen_gateway_pending_sequences",
+                              "Sequences admitted by the gateway and not finished yet.", registry=registry)
+        self._ttft = Histogram("fastgen_time_to_first_token_seconds",
+                               "Time from admission to a choice's first token, measured in the gateway.",
+                               buckets=_TTFT_BUCKETS, registry=registry)
+        self._itl = Histogram("fastgen_inter_token_latency_seconds",
+                              "Time between consecutive token deltas of one choice, measured in the gateway.",
+                              buckets=_ITL_BUCKETS, registry=registry)
+        self._latency = Histogram("fastgen_request_latency_seconds",
+                                  "Time from admission to the last token of a request that completed.",
+                                  buckets=_LATENCY_BUCKETS, registry=registry)
+        if engine_stats is not None:
+            if not callable(engine_stats):
+                raise TypeError(f"engine_stats must be a callable returning a dict, got {type(engine_stats).__name__}")
+            registry.register(_EngineCollector(engine_stats))
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        """One HTTP request answered with `status` on `endpoint` (a route template, not a raw path)."""
+        self._requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def count_prompt_tokens(self, num_tokens: int) -> None:
+        """Prompt tokens of one admitted prompt."""
+        self._prompt_tokens.inc(num_tokens)
+
+    def count_generation_tokens(self, num_tokens: int) -> None:
+        """Tokens generated in one delta."""
+        self._generation_tokens.inc(num_tokens)
+
+    def count_finished(self, finish_reason: str, num: int = 1) -> None:
+        """`num` choices finished with `finish_reason` ("stop", "length" or "abort")."""
+        self._finished.labels(finish_reason=finish_reason).inc(num)
+
+    def set_pending(self, num_sequences: int) -> None:
+        """Sequences the gateway has admitted and not finished."""
+        self._pending.set(num_sequences)
+
+    def observe_first_token(self, seconds: float) -> None:
+        """Time to first token of one choice."""
+        self._ttft.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        """Gap between two token deltas of one choice."""
+        self._itl.observe(seconds)
+
+    def observe_request_latency(self, seconds: float) -> None:
+        """End-to-end time of one completed request."""
+        self._latency.observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        """The registry in Prometheus text format, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,359 @@
+"""`replica_num=N`: N engine processes, each a gRPC server, behind one load-balancing front end.
+
+The front end runs the same services over a `ReplicaRouter`, which has the backend interface of
+a local engine loop: each request goes to the healthy replica with the fewest requests in flight
+(ties in turn). A monitor thread checks every replica's process and health service; a replica
+that dies or stops serving is logged, reported through the front end's health service
+(`fastgen.replica.<i>`) and `ModelInfo`, and routed around. Replica processes watch the front
+end's pid and exit if it dies, and the front end stops them all on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fastgen.outputs import Response
+from fastgen.sampling_params import SamplingParams
+from fastgen.serving.backend import BackendUnavailable
+from fastgen.serving.convert import normalise_prompts, params_to_proto, prompts_to_proto, response_from_completion
+from fastgen.serving.grpc_server import CHANNEL_OPTIONS, MII_SERVICE, REQUEST_IDS_KEY, TYPED_SERVICE, rejection
+from fastgen.serving.processes import read_json, stop_process
+from fastgen.serving.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("fastgen.serving")
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_END = object()
+
+
+@dataclasses.dataclass(eq=False)
+class Replica:
+    """One engine server the router sends requests to."""
+
+    index: int
+    """Position in the deployment (also in its health service name `fastgen.replica.<index>`)."""
+    address: str
+    """host:port of the replica's gRPC server."""
+    process: subprocess.Popen | None = None
+    """The replica's process when this front end started it."""
+    in_flight: int = 0
+    """Requests sent to it and not yet finished."""
+    num_requests: int = 0
+    """Requests sent to it in total."""
+    status: str = "SERVING"
+    """"SERVING", "NOT_SERVING", "UNREACHABLE" or "DEAD: <why>"."""
+
+    def __post_init__(self) -> None:
+        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.FastGenStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    @property
+    def healthy(self) -> bool:
+        """Whether new requests may go here."""
+        return self.status == "SERVING"
+
+    @property
+    def pid(self) -> int:
+        """The replica's pid, or -1 when it is not our child."""
+        return self.process.pid if self.process is not None else -1
+
+
+def _replica_error(call: grpc.Call) -> Exception:
+    """The exception a replica's rejection stands for (INVALID_ARGUMENT keeps its Python type)."""
+    rejected = rejection(call)
+    if rejected is not None:
+        return rejected
+    return RuntimeError(f"replica call failed ({call.code().name}): {call.details()}")
+
+
+class RemoteStream:
+    """The deltas of one request running on a replica; `abort()` cancels the replica's call."""
+
+    def __init__(self, router: "ReplicaRouter", replica: Replica, call: Any, request_id: str,
+                 with_logprobs: bool) -> None:
+        self.request_id = request_id
+        self._router = router
+        self._replica = replica
+        self._call = call
+        self._with_logprobs = with_logprobs
+        self._aborted = False
+
+    def __iter__(self) -> Iterator[Response]:
+        try:
+            for msg in self._call:
+                delta = response_from_completion(msg, self._with_logprobs)
+                delta.request_id = self.request_id
+                yield delta
+        except grpc.RpcError as exc:
+            if self._aborted and exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._router.mark_down(self._replica, "UNREACHABLE")
+                raise BackendUnavailable(f"replica {self._replica.index} went away during the request: "
+                                         f"{exc.details()}") from None
+            raise _replica_error(exc) from None
+        finally:
+            self._router.release(self._replica, self.request_id)
+
+    def abort(self) -> None:
+        """Cancel the request; the replica aborts it and frees its KV blocks."""
+        self._aborted = True
+        self._call.cancel()
+
+
+class AsyncRemoteStream:
+    """`RemoteStream` for asyncio callers (`async for`), fed by a thread."""
+
+    def __init__(self, stream: RemoteStream) -> None:
+        self.request_id = stream.request_id
+        self._stream = stream
+        self._queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._pump, args=(loop,), daemon=True, name="fastgen-replica-pump").start()
+
+    def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            try:
+                for delta in self._stream:
+                    loop.call_soon_threadsafe(self._queue.put_nowait, delta)
+            except Exception as exc:  # raised in the reader's task
+                loop.call_soon_threadsafe(self._queue.put_nowait, exc)
+            loop.call_soon_threadsafe(self._queue.put_nowait, _END)
+        except RuntimeError:  # the reader's event loop is closed: nobody is listening any more
+            self._stream.abort()
+
+    async def __aiter__(self) -> Any:
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def abort(self) -> None:
+        """Cancel the request."""
+        self._stream.abort()
+
+
+class ReplicaRouter:
+    """Backend over replicas: least-loaded routing, health monitoring, routing around failures."""
+
+    def __init__(self, replicas: list[Replica], tokenizer: Any, *, report: Callable[[str, bool], None] | None = None,
+                 on_all_down: Callable[[], None] | None = None, check_interval: float = 0.5) -> None:
+        if not replicas:
+            raise ValueError("a replica router needs at least one replica")
+        self.replicas = replicas
+        self.tokenizer = tokenizer
+        self._report = report or (lambda service, serving: None)
+        self._on_all_down = on_all_down
+        self._lock = threading.Lock()
+        self._streams: dict[str, RemoteStream] = {}
+        self._next = 0
+        self._closed = threading.Event()
+        self._interval = check_interval
+        for replica in replicas:
+            self._report(f"fastgen.replica.{replica.index}", replica.healthy)
+        self._monitor = threading.Thread(target=self._watch, name="fastgen-replica-monitor", daemon=True)
+        self._monitor.start()
+
+    # Routing ---------------------------------------------------------------------------------
+
+    def _pick(self, exclude: set[int]) -> Replica:
+        with self._lock:
+            candidates = [r for r in self.replicas if r.healthy and r.index not in exclude]
+            if not candidates:
+                raise BackendUnavailable("no healthy replica is left to take the request")
+            n = len(self.replicas)
+            replica = min(candidates, key=lambda r: (r.in_flight, (r.index - self._next) % n))
+            self._next = (replica.index + 1) % n
+            replica.in_flight += 1
+            replica.num_requests += 1
+            return replica
+
+    def release(self, replica: Replica, request_id: str | None) -> None:
+        """A request on `replica` ended (finished, failed or aborted)."""
+        with self._lock:
+            replica.in_flight -= 1
+            if request_id is not None:
+                self._streams.pop(request_id, None)
+
+    def submit(self, prompt: Any, params: SamplingParams | None = None) -> RemoteStream:
+        """Send a request to the least-loaded healthy replica; raises its ValueError/TypeError if rejected."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        # Deltas carry generated text only, as the local engine loop's do; the services add the prompt.
+        request = pb.GenerateRequest(prompts=prompts_to_proto(normalise_prompts([prompt])),
+                                     params=params_to_proto(dataclasses.replace(params, return_full_text=False)))
+        tried: set[int] = set()
+        while True:
+            replica = self._pick(tried)
+            call = replica.stub.GenerateStream(request)
+            metadata = dict(call.initial_metadata() or ())
+            if REQUEST_IDS_KEY in metadata:
+                request_id = f"r{replica.index}-{metadata[REQUEST_IDS_KEY]}"
+                stream = RemoteStream(self, replica, call, request_id, params.logprobs is not None)
+                with self._lock:
+                    self._streams[request_id] = stream
+                return stream
+            self.release(replica, None)
+            if call.code() == grpc.StatusCode.UNAVAILABLE:
+                self.mark_down(replica, "UNREACHABLE")
+                tried.add(replica.index)
+                continue
+            raise _replica_error(call)
+
+    def submit_async(self, prompt: Any, params: SamplingParams | None = None) -> AsyncRemoteStream:
+        """`submit` for asyncio code (call it from a running event loop; iterate with `async for`)."""
+        return AsyncRemoteStream(self.submit(prompt, params))
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request by id; unknown or finished ids are ignored."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.abort()
+
+    def model_info(self) -> pb.ModelInfoResponse:
+        """A healthy replica's model summary, with every replica's state."""
+        for replica in [r for r in self.replicas if r.healthy]:
+            try:
+                info = replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5)
+                break
+            except grpc.RpcError:
+                self.mark_down(replica, "UNREACHABLE")
+        else:
+            raise BackendUnavailable("no healthy replica is left")
+        with self._lock:
+            info.ClearField("replicas")
+            for r in self.replicas:
+                info.replicas.add(index=r.index, address=r.address, healthy=r.healthy, in_flight=r.in_flight,
+                                  num_requests=r.num_requests, pid=r.pid, status=r.status)
+            info.in_flight = sum(r.in_flight for r in self.replicas)
+        return info
+
+    # Health ----------------------------------------------------------------------------------
+
+    @property
+    def all_dead(self) -> bool:
+        """True once every replica's process has died."""
+        return all(r.status.startswith("DEAD") for r in self.replicas)
+
+    def mark_down(self, replica: Replica, status: str) -> None:
+        """Take `replica` out of rotation (a later health check may bring a live one back)."""
+        self._set_status(replica, status)
+
+    def _set_status(self, replica: Replica, status: str) -> None:
+        with self._lock:
+            if replica.status == status or replica.status.startswith("DEAD"):
+                return
+            was_any = any(r.healthy for r in self.replicas)
+            previous, replica.status = replica.status, status
+            any_healthy = any(r.healthy for r in self.replicas)
+        if self._closed.is_set():
+            return
+        log = logger.info if status == "SERVING" else logger.error
+        log("replica %d (%s, pid %d): %s -> %s%s", replica.index, replica.address, replica.pid, previous, status,
+            "" if status == "SERVING" else "; routing around it")
+        self._report(f"fastgen.replica.{replica.index}", replica.healthy)
+        if any_healthy != was_any:
+            for service in ("", TYPED_SERVICE, MII_SERVICE):
+                self._report(service, any_healthy)
+        if self.all_dead and self._on_all_down is not None:
+            logger.error("every replica is dead")
+            self._on_all_down()
+
+    def _check(self, replica: Replica) -> str:
+        if replica.process is not None and replica.process.poll() is not None:
+            return f"DEAD: exited with code {replica.process.returncode}"
+        try:
+            reply = replica.health.Check(health_pb2.HealthCheckRequest(), timeout=max(self._interval, 1.0))
+        except grpc.RpcError:
+            return "UNREACHABLE"
+        return "SERVING" if reply.status == _SERVING else "NOT_SERVING"
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self._interval):
+            for replica in self.replicas:
+                if not replica.status.startswith("DEAD"):
+                    self._set_status(replica, self._check(replica))
+
+    def close(self) -> None:
+        """Stop monitoring, then terminate every replica we started and wait for it to exit."""
+        self._closed.set()
+        self._monitor.join()
+        for replica in self.replicas:
+            if replica.process is not None and replica.process.poll() is None:
+                try:
+                    replica.stub.Terminate(pb.TerminateRequest(), timeout=2)
+                except grpc.RpcError:
+                    pass
+        for replica in self.replicas:
+            if replica.process is not None:
+                stop_process(replica.process, timeout=10)
+            replica.channel.close()
+
+
+def start_replicas(count: int, launcher_args: list[str], deployment_name: str, *, devices: list[str | None],
+                   timeout: float, should_stop: Callable[[], bool]) -> list[Replica]:
+    """Start `count` replica servers on free loopback ports and wait until each is serving.
+
+    Each runs `python -m fastgen.serving.launcher` with `launcher_args` (the engine options), its
+    own device from `devices` when set, and exits if this process dies. If one fails to start,
+    all are stopped and RuntimeError says which and why (its output is in our log).
+    """
+    env = dict(os.environ)
+    if all(d is None or d == "cpu" for d in devices) and "OMP_NUM_THREADS" not in env:
+        # CPU replicas would each start one thread per core and fight over them.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // count))
+    ready_dir = tempfile.mkdtemp(prefix="fastgen-replicas-")
+    started: list[tuple[subprocess.Popen, str]] = []
+    try:
+        for index in range(count):
+            ready = os.path.join(ready_dir, f"replica-{index}.json")
+            argv = [sys.executable, "-m", "fastgen.serving.launcher", *launcher_args,
+                    "--host", "127.0.0.1", "--port", "0", "--deployment-name", f"{deployment_name}-replica-{index}",
+                    "--replica-of", str(os.getpid()), "--ready-file", ready]
+            if devices[index] is not None:
+                argv += ["--device", devices[index]]
+            started.append((subprocess.Popen(argv, env=env), ready))
+        deadline = time.monotonic() + timeout
+        while not all(os.path.exists(ready) for _, ready in started):
+            for index, (proc, _) in enumerate(started):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"replica {index} exited with code {proc.returncode} while starting "
+                                       "(see its log above)")
+            if should_stop():
+                raise RuntimeError("interrupted while the replicas were starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the replicas did not start within {timeout} s")
+            time.sleep(0.1)
+        replicas = []
+        for index, (proc, ready) in enumerate(started):
+            info = read_json(ready) or {}
+            replicas.append(Replica(index=index, address=f"127.0.0.1:{info['port']}", process=proc))
+        return replicas
+    except BaseException:
+        for proc, _ in started:
+            stop_process(proc, timeout=10)
+        raise
+    finally:
+        for name in os.listdir(ready_dir):
+            os.remove(os.path.join(ready_dir, name))
+        os.rmdir(ready_dir)

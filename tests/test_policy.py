@@ -1,0 +1,367 @@
+"""The policy: parameter estimates against real HF models, hardware detection, the plan chosen for
+this CPU and for simulated CPUs and GPUs (with every reason present), overrides that win and
+overrides that cannot be honoured, and `python -m fastgen.explain` from a shell."""
+
+import os
+import runpy
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import fastgen
+from fastgen.hardware import ISA_FLAGS, GPUInfo, Hardware, detect_hardware, measure_cpu_matmul
+from fastgen.model_facts import ModelFacts, model_facts
+from fastgen.plan import PLAN_FIELDS, Plan
+from fastgen.policy import make_plan
+from kit import COMMON, TINY_CONFIGS, _rope_kwargs, build_checkpoint
+
+GIB = 2**30
+BF16_CPU = frozenset({"avx2", "avx512f", "avx512_bf16"})
+A10 = GPUInfo("NVIDIA A10", (8, 6), 24 * GIB, 23 * GIB, 72)
+H100 = GPUInfo("NVIDIA H100 80GB HBM3", (9, 0), 80 * GIB, 79 * GIB, 132)
+H200 = GPUInfo("NVIDIA H200", (9, 0), 141 * GIB, 140 * GIB, 132)
+V100 = GPUInfo("Tesla V100-SXM2-32GB", (7, 0), 32 * GIB, 31 * GIB, 80)
+
+
+def _cpu(cores: int = 2, flags: frozenset = BF16_CPU) -> Hardware:
+    return Hardware("cpu", cores, flags, "AVX512", 24 * GIB)
+
+
+def _gpus(*gpus: GPUInfo) -> Hardware:
+    return Hardware("cuda", 32, BF16_CPU, "AVX512", 500 * GIB, gpus)
+
+
+def _facts(tmp_path, config: transformers.PretrainedConfig, name: str = "model") -> ModelFacts:
+    """Facts read back from a directory holding only the config.json of `config`."""
+    path = tmp_path / name
+    config.save_pretrained(path)
+    return model_facts(str(path))
+
+
+def _hf_params(config: transformers.PretrainedConfig) -> int:
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                 num_attention_heads=32, max_position_embeddings=4096, dtype="float16")
+MISTRAL_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, dtype="bfloat16")
+LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, dtype="bfloat16")
+TINYLLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                    num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, ModelFacts]:
+    root = tmp_path_factory.mktemp("configs")
+    return {
+        "tiny": _facts(root, transformers.LlamaConfig(**{**COMMON, "dtype": "float32"}), "tiny"),
+        "1b": _facts(root, transformers.LlamaConfig(**TINYLLAMA_1B), "1b"),
+        "7b": _facts(root, transformers.MistralConfig(**MISTRAL_7B), "7b"),
+        "7b-fp16": _facts(root, transformers.LlamaConfig(**LLAMA2_7B), "7b-fp16"),
+        "70b": _facts(root, transformers.LlamaConfig(**LLAMA3_70B), "70b"),
+        "405b": _facts(root, transformers.LlamaConfig(**{**LLAMA3_70B, "hidden_size": 16384, "num_hidden_layers": 126,
+                                                         "num_attention_heads": 128, "intermediate_size": 53248}), "405b"),
+    }
+
+
+# Model facts ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+def test_param_estimate_matches_hf_for_every_family(tmp_path, model_type):
+    cls, extra = TINY_CONFIGS[model_type]
+    config = cls(**{**COMMON, **_rope_kwargs(cls, extra)})
+    facts = _facts(tmp_path, config)
+    assert facts.model_type == model_type
+    assert facts.num_params == pytest.approx(_hf_params(config), rel=0.01)
+
+
+@pytest.mark.parametrize("config", [transformers.LlamaConfig(**LLAMA2_7B), transformers.MixtralConfig(),
+                                    transformers.GPT2Config(), transformers.OPTConfig()],
+                         ids=["llama2-7b", "mixtral-8x7b", "gpt2", "opt-125m"])
+def test_param_estimate_matches_hf_at_real_sizes(tmp_path, config):
+    assert _facts(tmp_path, config).num_params == pytest.approx(_hf_params(config), rel=0.01)
+
+
+def test_moe_active_params_count_top_k_experts(tmp_path):
+    facts = _facts(tmp_path, transformers.MixtralConfig())  # 8 experts, top-2: ~46.7B total, ~12.9B active
+    assert facts.num_experts == 8
+    assert 12e9 < facts.active_params < 13.5e9 < 46e9 < facts.num_params
+    assert facts.intermediate_size == 2 * 14336
+
+
+def test_model_facts_reads_config_only(models, tmp_path):
+    facts = models["7b"]
+    assert (facts.num_layers, facts.num_heads, facts.num_kv_heads, facts.head_dim) == (32, 32, 8, 128)
+    assert facts.dtype == torch.bfloat16 and facts.max_position_embeddings == 32768
+    assert facts.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    assert facts.kv_bytes(torch.float32, tensor_parallel=4) == 2 * 32 * 2 * 128 * 4
+    assert facts.kv_bytes(torch.bfloat16, tensor_parallel=16) == 2 * 32 * 1 * 128 * 2  # KV heads copied past 8 ranks
+    with pytest.raises(FileNotFoundError):
+        model_facts(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        model_facts(str(tmp_path / "empty"))
+
+
+# Hardware -------------------------------------------------------------------------------------
+
+
+def test_detect_hardware_here():
+    hw = detect_hardware("cpu")
+    assert hw.device_type == "cpu" and hw.gpu_count == 0
+    assert hw.cpu_cores >= 1 and hw.ram_available > 0
+    assert hw.cpu_flags <= set(ISA_FLAGS)
+    assert hw.cpu_capability == torch.backends.cpu.get_cpu_capability()
+
+
+def test_plan_requires_a_reason_for_every_field(models):
+    plan = make_plan(models["1b"], _cpu())
+    reasons = dict(plan.reasons, buckets=" ")
+    with pytest.raises(ValueError, match="missing: buckets"):
+        Plan(**plan.engine_kwargs(), reasons=reasons)
+
+
+def test_hardware_rejects_inconsistent_descriptions():
+    with pytest.raises(ValueError, match="at least one GPUInfo"):
+        Hardware("cuda", 2, BF16_CPU, "AVX512", GIB)
+    with pytest.raises(ValueError, match="device_type"):
+        Hardware("tpu", 2, BF16_CPU, "AVX512", GIB)
+    with pytest.raises(ValueError, match="unknown cpu_flags"):
+        Hardware("cpu", 2, frozenset({"sse9"}), "AVX512", GIB)
+    with pytest.raises(ValueError, match="free_memory"):
+        GPUInfo("x", (8, 0), GIB, 2 * GIB, 10)
+
+
+# Plans ----------------------------------------------------------------------------------------
+
+
+def _check_consistent(plan: Plan) -> None:
+    """Invariants every plan keeps, whoever chose the values."""
+    assert set(plan.reasons) == set(PLAN_FIELDS) and all(r.strip() for r in plan.reasons.values())
+    assert list(plan.buckets) == sorted(set(plan.buckets)) and plan.buckets[-1] <= plan.token_budget
+    assert plan.max_seqs <= plan.token_budget and plan.kv_cache_memory > 0
+    table = plan.table()
+    assert all(name in table for name in PLAN_FIELDS)
+    assert set(plan.engine_kwargs()) == set(PLAN_FIELDS)
+
+
+def test_plan_for_this_machine(models):
+    plan = make_plan(models["1b"], detect_hardware("cpu"))
+    _check_consistent(plan)
+    assert plan.dtype != torch.float16 and plan.attention_backend == "torch" and not plan.cuda_graphs
+
+
+def test_two_core_bf16_cpu_plan_for_1b(models):
+    plan = make_plan(models["1b"], _cpu())
+    _check_consistent(plan)
+    assert plan.dtype == torch.bfloat16 and plan.compile == "default"
+    # 768 x 2 x 1.03B / 410 GFLOP/s is ~3.9 s a step; 0.5 s fits 99 tokens, but a step that small would spend
+    # > 10% of its time re-streaming 2 GB of weights at ~23 GB/s: floored at 256.
+    reason = plan.reasons["token_budget"]
+    assert plan.token_budget == 256 and "3.9 s" in reason and "fits 99 tokens" in reason and "floored at 256" in reason
+    assert plan.buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256) and plan.max_seqs == 256
+    assert plan.block_size == 128  # head_dim 64
+    assert (plan.tensor_parallel, plan.replica_num) == (1, 1)
+
+
+def test_cpu_budget_scales_with_model_size(tmp_path, models):
+    gpt2 = _facts(tmp_path, transformers.GPT2Config())  # 124M: 768 tokens take ~0.3 s at 410 GFLOP/s
+    assert make_plan(gpt2, _cpu()).token_budget == 768
+    assert make_plan(models["1b"], _cpu(cores=12)).token_budget == 512  # 0.5 s at 2460 GFLOP/s fits 594 tokens
+    assert make_plan(models["7b"], _cpu()).token_budget == 256
+
+
+def test_tiny_fp32_checkpoint_stays_fp32_on_cpu_with_fastgen_budget(models):
+    plan = make_plan(models["tiny"], _cpu())
+    assert plan.dtype == torch.float32 and "tiny" in plan.reasons["dtype"]
+    assert plan.token_budget == 768 and plan.buckets[-2:] == (512, 768)
+    assert plan.kv_cache_memory == 512 * 512 * models["tiny"].kv_bytes(torch.float32)  # max_seqs full-length seqs
+
+
+def test_cpu_dtype_follows_its_isa(models):
+    assert make_plan(models["7b-fp16"], _cpu()).dtype == torch.bfloat16  # fp16 checkpoint: never fp16 here
+    no_bf16 = make_plan(models["1b"], _cpu(flags=frozenset({"avx2", "avx512f"})))
+    assert no_bf16.dtype == torch.float32 and "no AVX512-BF16" in no_bf16.reasons["dtype"]
+    avx512_fp16 = _cpu(flags=BF16_CPU | {"avx512_fp16"})  # fp16 runs at about fp32's rate there: allowed, not chosen
+    assert make_plan(models["7b-fp16"], avx512_fp16).dtype == torch.bfloat16
+    assert make_plan(models["1b"], avx512_fp16, dtype="float16").dtype == torch.float16
+    amx_fp16 = _cpu(flags=BF16_CPU | {"amx_tile", "amx_bf16", "amx_fp16"})
+    assert make_plan(models["7b-fp16"], amx_fp16).dtype == torch.float16
+    assert make_plan(models["1b"], amx_fp16, dtype="float16").dtype == torch.float16
+
+
+def test_24gb_ampere_plan(models):
+    plan = make_plan(models["7b"], _gpus(A10))
+    _check_consistent(plan)
+    assert plan.dtype == torch.bfloat16 and plan.attention_backend == "triton" and plan.cuda_graphs
+    assert plan.token_budget == 768 and plan.max_seqs == 512 and plan.block_size == 64
+    assert plan.buckets[:6] == (1, 2, 4, 8, 16, 24) and plan.buckets[-3:] == (496, 512, 768)
+    weights = models["7b"].weight_bytes(torch.bfloat16)
+    assert 0 < plan.kv_cache_memory < 0.9 * A10.free_memory - weights
+    assert plan.tensor_parallel == 1 and "fit one GPU" in plan.reasons["tensor_parallel"]
+
+
+@pytest.mark.parametrize("gpu", [H100, H200], ids=["h100", "h200"])
+def test_hopper_plans_take_a_larger_budget(models, gpu):
+    plan = make_plan(models["7b"], _gpus(gpu))
+    _check_consistent(plan)
+    assert plan.token_budget == 2048 and "790" in plan.reasons["token_budget"]
+    assert plan.buckets[-3:] == (512, 1024, 2048) and plan.dtype == torch.bfloat16
+
+
+def test_h200_kv_gain_is_its_extra_free_memory(models):
+    gain = make_plan(models["7b"], _gpus(H200)).kv_cache_memory - make_plan(models["7b"], _gpus(H100)).kv_cache_memory
+    assert gain == pytest.approx(0.9 * (H200.free_memory - H100.free_memory), rel=0.001)
+
+
+def test_v100_gets_fp16_and_torch_attention(models):
+    plan = make_plan(models["7b"], _gpus(V100))
+    _check_consistent(plan)
+    assert plan.dtype == torch.float16 and "65504" in plan.reasons["dtype"]
+    assert plan.attention_backend == "torch" and "8.0" in plan.reasons["attention_backend"]
+    with pytest.raises(ValueError, match="bfloat16 needs compute capability"):
+        make_plan(models["7b"], _gpus(V100), dtype="bfloat16")
+
+
+def test_70b_on_8_h100_picks_smallest_fitting_tensor_parallel(models):
+    plan = make_plan(models["70b"], _gpus(*[H100] * 8))
+    _check_consistent(plan)
+    # 131 GiB x 1.2 / 2 = 79 GiB > 71 GiB usable on each: TP=2 does not fit, TP=4 does.
+    assert plan.tensor_parallel == 4 and "TP=2" in plan.reasons["tensor_parallel"]
+    assert plan.replica_num == 1 and "replica_num=2" in plan.reasons["replica_num"]
+    assert make_plan(models["70b"], _gpus(*[H100] * 8), replica_num=2).replica_num == 2
+    with pytest.raises(ValueError, match="needs 12 GPUs"):
+        make_plan(models["70b"], _gpus(*[H100] * 8), replica_num=3)
+
+
+def test_1b_on_8_h100_says_how_many_replicas_fit(models):
+    plan = make_plan(models["1b"], _gpus(*[H100] * 8))
+    assert (plan.tensor_parallel, plan.replica_num) == (1, 1)
+    assert "replica_num=8" in plan.reasons["replica_num"]
+    assert make_plan(models["1b"], _gpus(*[H100] * 8), replica_num=8).replica_num == 8
+
+
+def test_model_too_large_for_every_gpu_is_a_clear_error(models):
+    with pytest.raises(ValueError, match="model too large.*TP=8"):
+        make_plan(models["405b"], _gpus(*[H100] * 8))
+    with pytest.raises(ValueError, match="model too large"):
+        make_plan(models["70b"], _gpus(A10))
+    with pytest.raises(ValueError, match="model too large"):
+        make_plan(models["70b"], _cpu())
+
+
+# Overrides ------------------------------------------------------------------------------------
+
+
+def test_overrides_win_and_say_so(models):
+    overrides = dict(dtype=torch.float16, attention_backend="torch", compile="max-autotune", cuda_graphs=False,
+                     buckets=(1, 8, 64), token_budget=128, max_seqs=32, block_size=16, kv_cache_memory=GIB,
+                     tensor_parallel=2, replica_num=2)
+    plan = make_plan(models["7b"], _gpus(*[H100] * 4), **overrides)
+    assert plan.engine_kwargs() == overrides
+    assert all(plan.reasons[name] == "set by the user" for name in overrides)
+
+
+def test_derived_fields_follow_overrides(models):
+    plan = make_plan(models["1b"], _cpu(), token_budget=64)
+    assert plan.buckets[-1] == 64 and plan.max_seqs == 64
+    raised = make_plan(models["1b"], _cpu(), buckets=(1, 8, 1024))
+    assert raised.token_budget == 1024 and "raised" in raised.reasons["token_budget"]
+    half = make_plan(models["7b"], _gpus(H100), kv_cache_memory=0.5)
+    assert half.kv_cache_memory == pytest.approx(make_plan(models["7b"], _gpus(H100)).kv_cache_memory / 2, rel=0.01)
+    assert make_plan(models["1b"], _cpu(), dtype=None, attention_backend="auto").attention_backend == "torch"
+
+
+@pytest.mark.parametrize("hardware, overrides, message", [
+    ("cpu", dict(cuda_graphs=True), "cuda_graphs=True needs a CUDA device"),
+    ("cpu", dict(attention_backend="triton"), "TRITON_INTERPRET=1"),
+    ("cpu", dict(dtype="float16"), "100x slower"),
+    ("cpu", dict(token_budget=64, buckets=(1, 128)), "smaller than the largest bucket"),
+    ("cpu", dict(max_seqs=600, token_budget=512), "max_seqs 600 exceeds token_budget 512"),
+    ("gpu", dict(tensor_parallel=3), "must divide the 32 attention heads"),
+    ("gpu", dict(tensor_parallel=8), "larger than the 4 GPU"),
+    ("gpu", dict(compile="fast"), "compile must be one of"),
+    ("gpu", dict(attention_backend="flash"), "attention_backend must be one of"),
+    ("gpu", dict(buckets=(4, 2)), "strictly ascending"),
+    ("gpu", dict(buckets=(0, 2)), "strictly ascending"),
+    ("gpu", dict(buckets=()), "strictly ascending"),
+    ("gpu", dict(token_budget=0), "token_budget must be positive"),
+    ("gpu", dict(kv_cache_memory=1.5), "fraction in"),
+    ("gpu", dict(kv_cache_memory=10**15), "exceeds the"),
+    ("gpu", dict(dtype="float64"), "unsupported dtype"),
+])
+def test_impossible_overrides_raise_value_error(models, hardware, overrides, message, monkeypatch):
+    # The Triton tests switch the interpreter on for the whole pytest process.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    hw = _cpu() if hardware == "cpu" else _gpus(*[H100] * 4)
+    with pytest.raises(ValueError, match=message):
+        make_plan(models["7b"], hw, **overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(max_batch=4), "unknown plan option.*'max_batch'"),
+    (dict(token_budget="512"), "token_budget must be an int"),
+    (dict(cuda_graphs="yes"), "cuda_graphs must be a bool"),
+    (dict(buckets="1,2"), "buckets must be a sequence"),
+    (dict(kv_cache_memory=True), "kv_cache_memory must be bytes"),
+])
+def test_bad_override_types_raise_type_error(models, overrides, message):
+    with pytest.raises(TypeError, match=message):
+        make_plan(models["7b"], _gpus(H100), **overrides)
+
+
+def test_triton_on_cpu_allowed_under_the_interpreter(models, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert make_plan(models["tiny"], _cpu(), attention_backend="triton").attention_backend == "triton"
+
+
+# explain --------------------------------------------------------------------------------------
+
+
+def test_explain_prints_table_and_returns_plan(models, tmp_path, capsys):
+    path = tmp_path / "70b"
+    transformers.LlamaConfig(**LLAMA3_70B).save_pretrained(path)
+    plan = fastgen.explain(str(path), hardware=_gpus(*[H100] * 8), token_budget=1024)
+    out = capsys.readouterr().out
+    assert plan.tensor_parallel == 4 and plan.token_budget == 1024
+    assert "8x NVIDIA H100" in out and "field" in out and "reason" in out
+    assert all(f"{name} " in out for name in PLAN_FIELDS)
+
+
+def test_explain_command_line(tmp_path):
+    path = build_checkpoint(str(tmp_path / "llama"), "llama")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    ok = subprocess.run([sys.executable, "-m", "fastgen.explain", path, "--token-budget", "512", "--buckets", "1,8,64"],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "field" in ok.stdout and all(name in ok.stdout for name in PLAN_FIELDS)
+    assert "1,8,64" in ok.stdout and "set by the user" in ok.stdout
+
+
+def test_explain_command_line_reports_impossible_override(tmp_path, monkeypatch, capsys):
+    # runpy runs the module as __main__ without binding it over the `fastgen.explain` function.
+    transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["explain", str(tmp_path), "--cuda_graphs", "true"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("fastgen.explain", run_name="__main__")
+    assert exit_info.value.code == 2
+    assert "cuda_graphs=True needs a CUDA device" in capsys.readouterr().err
+    assert callable(fastgen.explain)
+
+
+def test_measured_cpu_rates_drive_the_cpu_budget(models):
+    rates = measure_cpu_matmul(seconds=0.02)
+    assert set(rates) == {"bfloat16", "float32", "float16"} and all(r > 0 for r in rates.values())
+    slow = Hardware("cpu", 2, BF16_CPU, "AVX512", 24 * GIB, matmul_gflops={"bfloat16": 100.0, "float32": 50.0,
+                                                                           "float16": 1.0})
+    plan = make_plan(models["1b"], slow)
+    assert "100 GFLOP/s (bfloat16, measured)" in plan.reasons["token_budget"]
+    assert "measured here" in plan.reasons["dtype"]
