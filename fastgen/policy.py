@@ -62,7 +62,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
 
     dtype = pick("dtype", lambda: _choose_dtype(model, hardware))
     attention = pick("attention_backend", lambda: _choose_attention(hardware))
-    compile_mode = pick("compile", lambda: _choose_compile(hardware))
+    compile_mode = pick("compile", lambda: _choose_compile(model, hardware))
     graphs = pick("cuda_graphs", lambda: _choose_cuda_graphs(hardware))
     budget = pick("token_budget", lambda: _choose_token_budget(model, hardware, dtype))
     floor = max(max(user.get("buckets", (0,))), user.get("max_seqs", 0))
@@ -139,11 +139,24 @@ def _choose_attention(hw: Hardware) -> tuple[str, str]:
     return "triton", "one Triton launch serves mixed prefill+decode steps over the block tables"
 
 
-def _choose_compile(hw: Hardware) -> tuple[str, str]:
-    """Inductor's default mode; max-autotune only on request (its GEMM search costs minutes per bucket)."""
+CPU_COMPILE_MIN_PARAMS = 50_000_000
+"""Below this size a CPU step takes milliseconds and is mostly Python and attention bookkeeping
+that Inductor cannot fuse away. scripts/bench_graphs.py on a 5M-parameter Llama (the demo model's
+shape, 2 cores, buckets 1..256) measured compiled/eager step-time ratios of 1.09-1.31x and decode
+tokens/s 1.16-1.53x higher, for 6-10 s of cold compile per bucket (about 1 s with Inductor's warm
+cache): a cold start of a minute or more to save a few milliseconds per step."""
+
+
+def _choose_compile(model: ModelFacts, hw: Hardware) -> tuple[str, str]:
+    """Inductor's default mode; max-autotune only on request (its GEMM search costs minutes per bucket).
+    Off on the CPU for small models, where start-up would dwarf the gain (measured, see above)."""
     if hw.device_type == "cpu":
-        return "default", ("Inductor C++ fuses norms, rotary, residual adds and the MLP; first compile ~17 s, "
-                           "~1 s per further bucket, ~2.5 s with a warm cache")
+        if model.num_params < CPU_COMPILE_MIN_PARAMS:
+            return "off", (f"{format_count(model.num_params)} params on a CPU: steps take milliseconds; compiling "
+                           "measured 1.1-1.3x faster steps (5M-param Llama, bench_graphs.py) for 6-10 s of cold "
+                           "compile per bucket, so not worth the start-up (compile='default' to opt in)")
+        return "default", ("Inductor C++ fuses norms, rotary, residual adds and the MLP; each bucket compiles once "
+                           "(seconds each, cached on disk by Inductor for the next start)")
     return "default", ("Inductor fuses norms, rotary, residual adds and the MLP; max-autotune benchmarks GEMM "
                        "configs per bucket (minutes of start-up), so only when asked")
 

@@ -99,9 +99,17 @@ def paged_attention_reference(
     block_size = k_cache.shape[1]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     starts = query_start_loc.tolist()
-    for s, seq_len in enumerate(seq_lens.tolist()):
+    lens = seq_lens.tolist()
+    decodes = [s for s, n in enumerate(lens) if n > 0 and starts[s + 1] - starts[s] == 1]
+    if len(decodes) > 1:
+        _attend_decodes(query, k_cache, v_cache, block_tables, decodes, lens, starts, scale, sliding_window,
+                        softcap, out)
+        done = set(decodes)
+    else:
+        done = set()
+    for s, seq_len in enumerate(lens):
         q_start, q_end = starts[s], starts[s + 1]
-        if seq_len <= 0 or q_end <= q_start:
+        if seq_len <= 0 or q_end <= q_start or s in done:
             continue
         num_blocks = -(-seq_len // block_size)
         blocks = block_tables[s, :num_blocks].long()
@@ -109,6 +117,59 @@ def paged_attention_reference(
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         out[q_start:q_end] = _attend_one(query[q_start:q_end], k, v, scale, sliding_window, softcap)
     return out
+
+
+# Decode rows are batched into one attention call over gathered, padded K/V; this many tokens of
+# context per call keeps the gathered copy small (a few MB at typical head sizes).
+_DECODE_BATCH_TOKENS = 1 << 16
+
+
+def _attend_decodes(query, k_cache, v_cache, block_tables, rows, lens, starts, scale, sliding_window, softcap,
+                    out) -> None:
+    """One-token queries of many sequences: a few batched attention calls instead of one per sequence.
+
+    Rows are sorted by length and grouped so each group's `rows x longest context` stays bounded.
+    """
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    rows = sorted(rows, key=lambda s: lens[s])
+    group: list[int] = []
+    for i, s in enumerate(rows):
+        group.append(s)
+        last = i + 1 == len(rows)
+        if last or (len(group) + 1) * lens[rows[i + 1]] > _DECODE_BATCH_TOKENS:
+            max_len = lens[group[-1]]
+            num_blocks = -(-max_len // block_size)
+            index = torch.tensor(group, device=query.device)
+            tables = block_tables.index_select(0, index)[:, :num_blocks].long()
+            k = k_cache[tables].reshape(len(group), -1, num_kv_heads, head_dim)[:, :max_len]
+            v = v_cache[tables].reshape(len(group), -1, num_kv_heads, head_dim)[:, :max_len]
+            q_rows = torch.tensor([starts[g] for g in group], device=query.device)
+            q = query.index_select(0, q_rows)
+            seq_len = torch.tensor([lens[g] for g in group], device=query.device).unsqueeze(1)
+            k_pos = torch.arange(max_len, device=query.device).unsqueeze(0)
+            mask = k_pos < seq_len
+            # Slots past a sequence's end hold whatever an earlier owner left (even NaN): a masked
+            # score of NaN would still poison the softmax, so zero them.
+            k = k.masked_fill(~mask[:, :, None, None], 0)
+            v = v.masked_fill(~mask[:, :, None, None], 0)
+            if sliding_window > 0:
+                mask = mask & (k_pos > seq_len - 1 - sliding_window)
+            out.index_copy_(0, q_rows, _attend_batch(q, k, v, mask, scale, softcap))
+            group = []
+
+
+def _attend_batch(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """q `[B, Hq, D]` attends `k`/`v` `[B, L, Hkv, D]` where `mask` `[B, L]` is True."""
+    qh, kh, vh = q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2)
+    attn_mask = mask[:, None, None, :]
+    if softcap > 0:
+        group = q.shape[1] // k.shape[2]
+        kh = kh.repeat_interleave(group, dim=1).float()
+        vh = vh.repeat_interleave(group, dim=1).float()
+        scores = torch.matmul(qh.float(), kh.transpose(2, 3)) * scale
+        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~attn_mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), vh).to(q.dtype)[:, :, 0]
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, scale=scale, enable_gqa=True)[:, :, 0]
 
 
 _MUTATES = ("k_cache", "v_cache")

@@ -365,3 +365,11 @@ def test_measured_cpu_rates_drive_the_cpu_budget(models):
     plan = make_plan(models["1b"], slow)
     assert "100 GFLOP/s (bfloat16, measured)" in plan.reasons["token_budget"]
     assert "measured here" in plan.reasons["dtype"]
+
+
+def test_cpu_compiles_only_models_big_enough_to_pay_for_it(models):
+    small = make_plan(models["tiny"], _cpu())
+    assert small.compile == "off" and "bench_graphs" in small.reasons["compile"]
+    assert make_plan(models["1b"], _cpu()).compile == "default"
+    assert make_plan(models["tiny"], _cpu(), compile="default").compile == "default"  # the user wins
+    assert make_plan(models["tiny"], _gpus(H100)).compile == "default"
