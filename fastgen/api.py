@@ -14,16 +14,29 @@ from fastgen.sampling_params import SamplingParams
 Prompts = str | Seq[str] | Seq[Seq[int]]
 
 
-def _normalise_prompts(prompts: Prompts) -> list[str | list[int]]:
+def normalise_prompts(prompts: Prompts) -> list[str | list[int]]:
+    """A str, a list of str, or a list of token-id lists -> a non-empty list of prompts.
+
+    Shared by the pipeline and the serving clients, so every entry point rejects the same inputs
+    with the same messages.
+    """
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}")
     if not prompts:
         raise ValueError("prompts is empty")
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-        raise TypeError("a flat list of ints is ambiguous: pass token ids as a list of lists, e.g. [[1, 2, 3]]")
-    return [p if isinstance(p, str) else list(p) if isinstance(p, (list, tuple)) else p for p in prompts]
+    out: list[str | list[int]] = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            out.append(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            out.append(list(prompt))
+        elif isinstance(prompt, int) and not isinstance(prompt, bool):
+            raise TypeError("a flat list of ints is ambiguous: pass token ids as a list of lists, e.g. [[1, 2, 3]]")
+        else:
+            raise TypeError(f"prompts[{i}] must be a str or a list of int token ids, got {type(prompt).__name__}")
+    return out
 
 
 class Pipeline:
@@ -50,7 +63,7 @@ class Pipeline:
     def _submit(self, prompts: Prompts, gen: dict[str, Any]):
         engine = self.engine
         params = SamplingParams.from_kwargs(**gen)
-        items = _normalise_prompts(prompts)
+        items = normalise_prompts(prompts)
         encoded = [engine.encode_prompt(p) for p in items]  # validate all before queueing any
         request_ids = []
         try:

@@ -32,20 +32,6 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
 
 
-def available_memory(device: torch.device) -> int:
-    """Free device memory (CUDA) or available RAM (CPU) in bytes."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 class ModelRunner:
     """Owns the model and its paged KV cache and executes scheduled batches."""
 

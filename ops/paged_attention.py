@@ -57,20 +57,20 @@ def _attend_one(
     if sliding_window > 0:
         # Same rule as transformers' sliding-window overlay: key visible iff q - k < window.
         mask = mask & (k_pos > q_pos - sliding_window)
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    return _attend_heads(qh, kh, vh, mask[None, None], scale, softcap)[0].transpose(0, 1)
+
+
+def _attend_heads(qh, kh, vh, mask, scale: float, softcap: float) -> torch.Tensor:
+    """`qh` `[B, Hq, Q, D]` attends `kh`/`vh` `[B, Hkv, L, D]` (GQA) where `mask` (broadcast to `[B, 1, Q, L]`) is True."""
     if softcap > 0:
-        group = q.shape[1] // k.shape[1]
-        kh = kh.repeat_interleave(group, dim=0).float()
-        vh = vh.repeat_interleave(group, dim=0).float()
-        scores = torch.matmul(qh.float(), kh.transpose(1, 2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
+        group = qh.shape[1] // kh.shape[1]
+        kh = kh.repeat_interleave(group, dim=1).float()
+        vh = vh.repeat_interleave(group, dim=1).float()
+        scores = torch.tanh(torch.matmul(qh.float(), kh.transpose(2, 3)) * scale / softcap) * softcap
         scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), vh).to(q.dtype)
-    else:
-        out = F.scaled_dot_product_attention(
-            qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True
-        )[0]
-    return out.transpose(0, 1)
+        return torch.matmul(torch.softmax(scores, dim=-1), vh).to(qh.dtype)
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def paged_attention_reference(
@@ -154,22 +154,10 @@ def _attend_decodes(query, k_cache, v_cache, block_tables, rows, lens, starts, s
             v = v.masked_fill(~mask[:, :, None, None], 0)
             if sliding_window > 0:
                 mask = mask & (k_pos > seq_len - 1 - sliding_window)
-            out.index_copy_(0, q_rows, _attend_batch(q, k, v, mask, scale, softcap))
+            attended = _attend_heads(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :],
+                                     scale, softcap)
+            out.index_copy_(0, q_rows, attended[:, :, 0])
             group = []
-
-
-def _attend_batch(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
-    """q `[B, Hq, D]` attends `k`/`v` `[B, L, Hkv, D]` where `mask` `[B, L]` is True."""
-    qh, kh, vh = q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2)
-    attn_mask = mask[:, None, None, :]
-    if softcap > 0:
-        group = q.shape[1] // k.shape[2]
-        kh = kh.repeat_interleave(group, dim=1).float()
-        vh = vh.repeat_interleave(group, dim=1).float()
-        scores = torch.matmul(qh.float(), kh.transpose(2, 3)) * scale
-        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~attn_mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1), vh).to(q.dtype)[:, :, 0]
-    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, scale=scale, enable_gqa=True)[:, :, 0]
 
 
 _MUTATES = ("k_cache", "v_cache")

@@ -19,10 +19,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fastgen.api import normalise_prompts
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving import registry
-from fastgen.serving.convert import merge_deltas, normalise_prompts, params_to_proto, prompts_to_proto, \
+from fastgen.serving.convert import merge_deltas, params_to_proto, prompts_to_proto, \
     response_from_completion
 from fastgen.serving.grpc_server import CHANNEL_OPTIONS, rejection
 from fastgen.serving.processes import connect_host, pid_alive, wait_until

@@ -18,27 +18,6 @@ from fastgen.serving.proto import modelresponse_pb2 as mii_pb
 Prompt = str | list[int]
 
 
-def normalise_prompts(prompts: Any) -> list[Prompt]:
-    """A str, a list of str, or a list of token-id lists -> a non-empty list of prompts."""
-    if isinstance(prompts, str):
-        return [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}")
-    if not prompts:
-        raise ValueError("prompts is empty")
-    out: list[Prompt] = []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            out.append(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            out.append(list(prompt))
-        elif isinstance(prompt, int) and not isinstance(prompt, bool):
-            raise TypeError("a flat list of ints is ambiguous: pass token ids as a list of lists, e.g. [[1, 2, 3]]")
-        else:
-            raise TypeError(f"prompts[{i}] must be a str or a list of int token ids, got {type(prompt).__name__}")
-    return out
-
-
 def prompts_to_proto(prompts: Sequence[Prompt]) -> list[pb.Prompt]:
     """Normalised prompts -> `Prompt` messages."""
     return [pb.Prompt(text=p) if isinstance(p, str) else pb.Prompt(token_ids=pb.TokenIds(ids=p)) for p in prompts]

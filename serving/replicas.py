@@ -25,10 +25,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fastgen.api import normalise_prompts
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.backend import BackendUnavailable
-from fastgen.serving.convert import normalise_prompts, params_to_proto, prompts_to_proto, response_from_completion
+from fastgen.serving.convert import params_to_proto, prompts_to_proto, response_from_completion
 from fastgen.serving.grpc_server import CHANNEL_OPTIONS, MII_SERVICE, REQUEST_IDS_KEY, TYPED_SERVICE, rejection
 from fastgen.serving.processes import read_json, stop_process
 from fastgen.serving.proto import fastgen_v1_pb2 as pb
