@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -85,6 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """Importing this module rebinds the name `fastgen.explain` from the function to the module;
+    making the module callable keeps `fastgen.explain(model, ...)` working either way."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return explain(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

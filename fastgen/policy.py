@@ -73,6 +73,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
                                          f"FastGen's {FASTGEN_MAX_SEQS} sequences per step, at most token_budget "
                                          "(each scheduled sequence gets at least one token)"))
     buckets = pick("buckets", lambda: _choose_buckets(hardware, budget))
+    if compile_mode == "off" and not graphs and "buckets" not in user:
+        reasons["buckets"] += "; unused while compile is off and there are no CUDA graphs (steps run at exact shapes)"
     block_size = pick("block_size", lambda: _choose_block_size(model))
     if buckets[-1] > budget:
         raise ValueError(f"token_budget {budget} is smaller than the largest bucket {buckets[-1]}: that bucket could never fill")

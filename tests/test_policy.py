@@ -373,3 +373,11 @@ def test_cpu_compiles_only_models_big_enough_to_pay_for_it(models):
     assert make_plan(models["1b"], _cpu()).compile == "default"
     assert make_plan(models["tiny"], _cpu(), compile="default").compile == "default"  # the user wins
     assert make_plan(models["tiny"], _gpus(H100)).compile == "default"
+
+
+def test_fastgen_explain_stays_callable_after_importing_its_cli_module(tiny_checkpoints):
+    import fastgen
+    import fastgen.explain  # noqa: F401  (rebinds the package attribute to the module)
+
+    plan = fastgen.explain(tiny_checkpoints["llama"])
+    assert plan.reasons["compile"]
