@@ -15,6 +15,7 @@ import time
 from typing import Sequence as Seq
 
 import torch
+from transformers import AutoTokenizer
 
 from fastgen.block_manager import BlockManager
 from fastgen.config import EngineConfig
@@ -55,8 +56,6 @@ class Engine:
         self.model_config = loaded.config
         self.model_dir = loaded.model_dir
         self.eos_token_ids = set(loaded.eos_token_ids)
-        from transformers import AutoTokenizer
-
         self.tokenizer = AutoTokenizer.from_pretrained(loaded.model_dir)
         if self.tokenizer.eos_token_id is not None and not self.eos_token_ids:
             self.eos_token_ids = {self.tokenizer.eos_token_id}

@@ -65,6 +65,28 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 2048) -> flo
     return 2 * n**3 / median_seconds(lambda: a @ b, repeats=5)
 
 
+def latency_summary(values: list[float]) -> dict[str, float]:
+    """Mean, median, p90, p99 and count of `values` (seconds); zeros with count 0 when empty."""
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0, "count": 0}
+    a = np.asarray(values, dtype=float)
+    return {"mean": float(a.mean()), "median": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "count": int(a.size)}
+
+
+def pyplot_or_none():
+    """matplotlib's pyplot on a file-only backend, or None (with a printed note) when it is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[dev]'): skipping the PNG plot")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_json(path: str, payload: dict) -> None:
     """Write `payload` to `path`, creating its folder."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
