@@ -219,13 +219,14 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Next token per sequence (one host sync), and per-row logprob dicts when asked."""
-        self._suppress_stop_tokens(logits, seqs)
+        raw_logits = logits
+        logits = self._suppress_stop_tokens(logits, seqs)
         params = [s.params for s in seqs]
         md = SamplingMetadata.build(
             params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
             [s.generator for s in seqs], self.vocab_size, self.device,
         )
-        out = self.sampler(logits, md)
+        out = self.sampler(logits, md, raw_logits=raw_logits)
         tokens = out.sampled_token_ids.tolist()
         if out.logprobs is None:
             return tokens, None
@@ -236,8 +237,9 @@ class Engine:
             rows.append(None if n is None else dict(zip(id_row[: 1 + n], lp_row[: 1 + n])))
         return tokens, rows
 
-    def _suppress_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Mask EOS and stop token ids of sequences that have not reached `min_new_tokens`."""
+    def _suppress_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """`logits` with EOS and stop token ids masked for sequences below `min_new_tokens` (a copy
+        when anything is masked, so logprobs still describe the model's own distribution)."""
         rows, cols = [], []
         for row, seq in enumerate(seqs):
             p = seq.params
@@ -249,7 +251,9 @@ class Engine:
                     rows.append(row)
                     cols.append(token)
         if rows:
+            logits = logits.clone()
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        return logits
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> Response:
         """Add a sampled token, update text, apply stop rules; returns the delta."""

@@ -255,12 +255,17 @@ class Sampler:
     temperature (vLLM's default), so they describe the model, not the warped distribution.
     """
 
-    def __call__(self, logits: Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of `logits` [S, V] (any float dtype)."""
+    def __call__(self, logits: Tensor, metadata: SamplingMetadata, raw_logits: Tensor | None = None) -> SamplerOutput:
+        """Sample one token per row of `logits` [S, V] (any float dtype).
+
+        `raw_logits` (default: `logits`) are what logprobs describe, for callers that masked tokens
+        in `logits` (e.g. EOS before `min_new_tokens`) but report the model's own distribution.
+        """
         self._check(logits, metadata)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+            raw = logits if raw_logits is None else raw_logits
+            raw_logprobs = torch.log_softmax(raw.float(), dim=-1)
 
         scores = self._apply_penalties(logits.to(torch.float32, copy=True), metadata)
         if metadata.all_greedy:

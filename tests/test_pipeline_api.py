@@ -162,6 +162,12 @@ def test_min_new_tokens_counts_generated_tokens_only(pipe, hf):
     assert r.token_ids == hf_greedy(hf, ids, 12, min_new_tokens=3, eos_token_id=stops) == masked[: j + 1]
     # (MII compared min_new_tokens with prompt + generated: the first token would have stopped it.)
     assert (r.finish_reason, r.generated_length) == ("stop", j + 1)
+    # Logprobs still describe the model, not the masked distribution: the masked first token keeps
+    # its (highest) logprob instead of -inf.
+    (r,) = pipe([ids], max_new_tokens=3, min_new_tokens=3, do_sample=False, stop_token_ids=stops, logprobs=1)
+    first_step = r.logprobs[0]
+    assert first in first_step and first_step[first] > float("-inf")
+    assert first_step[first] >= max(first_step.values())
 
 
 def test_stop_strings_cut_output_earliest_wins_and_stream_never_leaks(pipe, hf):
