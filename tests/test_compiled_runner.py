@@ -34,8 +34,9 @@ def test_padded_buckets_equal_exact_shapes(model_type, tiny_checkpoints):
     assert pipe.engine.block_manager.num_free_blocks == SMALL["num_kv_blocks"]
 
 
-def test_compiled_equals_eager_without_recompiling(tiny_checkpoints):
-    path = tiny_checkpoints["llama"]
+@pytest.mark.parametrize("model_type", ["llama", "mixtral", "gemma2"])
+def test_compiled_equals_eager_without_recompiling(model_type, tiny_checkpoints):
+    path = tiny_checkpoints[model_type]
     eager, _ = _generate(path)
     pipe = fastgen.pipeline(path, **SMALL, compile="default", buckets=[2, 8, 16])
     assert sorted(pipe.engine.runner.warmup_seconds) == [2, 8, 16]

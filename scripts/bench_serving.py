@@ -1,0 +1,380 @@
+"""Serving benchmark, FastGen's method scaled to this machine: streaming gRPC clients against a
+running `scripts/serve.py`.
+
+    .venv/bin/python scripts/bench_serving.py [--concurrency 1,2,4,8,16] [--rates 2,4] [--model DIR]
+
+Starts `scripts/serve.py` on a free 127.0.0.1 port (a random-weight Llama-shaped model unless
+`--model`), waits until its health check says SERVING, then for each concurrency level runs that
+many closed-loop clients (each sends its next request when the previous one finished) over
+`fastgen.client`'s streaming call; optionally Poisson (open-loop) arrivals at `--rates` requests/s.
+Prompt and output lengths are normal with a 30% spread, FastGen's shape scaled down (prompt mean
+256 instead of 1200/2600, output mean 32 instead of 60/128). Per level: TTFT, TPOT, ITL and E2E
+latency (mean, median, p90, p99), request and token throughput, and effective throughput
+(request throughput x fraction of requests meeting the SLA).
+
+SLA, FastGen's scaled: FastGen asked TTFT <= prompt_tokens / 512 s and a smoothed generation rate
+above 2/4/6 tokens/s on 4xA100 serving Llama-2-70B. Fixed numbers mean nothing on another
+machine, so both limits are set from this server's unloaded speed (the concurrency-1 level):
+TTFT <= prompt_tokens / (unloaded prefill tokens/s x `--sla-fraction`) and a generation rate,
+smoothed over windows of 8 tokens, >= unloaded decode tokens/s x `--sla-fraction` (default 0.25;
+`--sla-prompt-rate`/`--sla-gen-rate` set them directly).
+
+After the server is terminated, the same requests as the largest level run through the offline
+pipeline in this process (all submitted at once) for the serving-vs-offline ratio. The server is
+always terminated (also on errors and Ctrl-C). Prints tables, writes JSON
+(bench_results/serving.json) and plots throughput vs latency (bench_results/serving.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import torch
+import transformers
+from bench_common import build_llama_checkpoint, latency_summary, pyplot_or_none, workload, write_json
+
+import fastgen
+
+SMOOTH_WINDOW = 8
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, model: str, port: int, log_path: str) -> subprocess.Popen:
+    """Launch scripts/serve.py in its own session (so a Ctrl-C reaches only us; we stop it)."""
+    serve = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py")
+    cmd = [sys.executable, serve, "--model", model, "--host", "127.0.0.1", "--port", str(port),
+           "--deployment-name", f"bench-serving-{os.getpid()}", "--no-progress", "--dtype", args.dtype,
+           "--compile", args.compile, "--max-seqs", str(args.max_seqs)]
+    if args.token_budget is not None:
+        cmd += ["--token-budget", str(args.token_budget)]
+    log = open(log_path, "w", encoding="utf-8")
+    try:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        log.close()
+
+
+def wait_healthy(proc: subprocess.Popen, client, timeout: float, log_path: str) -> float:
+    """Seconds until the server reports SERVING; raises if it exits or takes longer than `timeout`."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if proc.poll() is not None:
+            with open(log_path, encoding="utf-8") as f:
+                raise RuntimeError(f"serve.py exited with {proc.returncode}:\n{f.read()[-3000:]}")
+        try:
+            if client.health(timeout=1.0) == "SERVING":
+                return time.perf_counter() - start
+        except Exception:  # not listening yet
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"serve.py was not healthy after {timeout:.0f} s (log: {log_path})")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s: never leave the server behind."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def one_request(client, prompt: list[int], out_len: int) -> dict:
+    """Stream one request; returns its send time and (arrival time, tokens) per delta."""
+    sent = time.perf_counter()
+    deltas, prompt_len = [], len(prompt)
+    for delta in client.stream([prompt], max_new_tokens=out_len, do_sample=False, ignore_eos=True):
+        if delta.token_ids:
+            deltas.append((time.perf_counter(), len(delta.token_ids)))
+        prompt_len = delta.prompt_length or prompt_len
+    return {"sent": sent, "deltas": deltas, "prompt_tokens": prompt_len}
+
+
+def closed_loop(client, requests: list, concurrency: int) -> tuple[list[dict], float]:
+    """`concurrency` threads, each sending its next request when the last one finished."""
+    records: list[dict] = []
+    lock, cursor = threading.Lock(), iter(requests)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while not errors:
+            with lock:
+                item = next(cursor, None)
+            if item is None:
+                return
+            try:
+                rec = one_request(client, *item)
+            except BaseException as exc:  # re-raised in the main thread
+                errors.append(exc)
+                return
+            with lock:
+                records.append(rec)
+
+    return _run_threads([threading.Thread(target=worker, daemon=True) for _ in range(concurrency)], records, errors)
+
+
+def poisson(client, requests: list, rate: float, seed: int) -> tuple[list[dict], float]:
+    """Open loop: requests sent at exponential inter-arrival times of mean 1/rate seconds."""
+    records: list[dict] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    gaps = np.random.default_rng(seed).exponential(1 / rate, len(requests))
+
+    def send(item) -> None:
+        try:
+            rec = one_request(client, *item)
+        except BaseException as exc:
+            errors.append(exc)
+            return
+        with lock:
+            records.append(rec)
+
+    threads = [threading.Thread(target=send, args=(item,), daemon=True) for item in requests]
+    start = time.perf_counter()
+    due = start
+    for thread, gap in zip(threads, gaps):
+        due += gap
+        time.sleep(max(0.0, due - time.perf_counter()))
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return records, time.perf_counter() - start
+
+
+def _run_threads(threads: list[threading.Thread], records: list[dict], errors: list) -> tuple[list[dict], float]:
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return records, time.perf_counter() - start
+
+
+def request_metrics(rec: dict) -> dict:
+    """TTFT, TPOT, E2E, ITLs and the worst smoothed generation rate of one streamed request."""
+    times = [t for t, n in rec["deltas"] for _ in range(n)]
+    out = len(times)
+    ttft, e2e = times[0] - rec["sent"], times[-1] - rec["sent"]
+    itl = [b - a for (a, _), (b, _) in zip(rec["deltas"], rec["deltas"][1:])]
+    windows = [SMOOTH_WINDOW / max(times[i + SMOOTH_WINDOW] - times[i], 1e-9) for i in range(out - SMOOTH_WINDOW)]
+    whole = (out - 1) / max(e2e - ttft, 1e-9) if out > 1 else float("inf")
+    return {"ttft": ttft, "tpot": (e2e - ttft) / (out - 1) if out > 1 else 0.0, "e2e": e2e, "itl": itl,
+            "output_tokens": out, "prompt_tokens": rec["prompt_tokens"], "min_rate": min(windows, default=whole)}
+
+
+def summarise(records: list[dict], seconds: float, sla: dict | None) -> dict:
+    """Latency summaries, throughputs and (given an SLA) the effective throughput of one level."""
+    m = [request_metrics(r) for r in records]
+    out_tokens = sum(x["output_tokens"] for x in m)
+    total = out_tokens + sum(x["prompt_tokens"] for x in m)
+    row = {"requests": len(m), "seconds": seconds, "requests_per_s": len(m) / seconds,
+           "output_tokens_per_s": out_tokens / seconds, "total_tokens_per_s": total / seconds,
+           "ttft": latency_summary([x["ttft"] for x in m]), "tpot": latency_summary([x["tpot"] for x in m]),
+           "itl": latency_summary([g for x in m for g in x["itl"]]), "e2e": latency_summary([x["e2e"] for x in m])}
+    if sla is not None:
+        met = [x["ttft"] <= x["prompt_tokens"] / sla["prompt_tokens_per_s"] and x["min_rate"] >= sla["gen_tokens_per_s"]
+               for x in m]
+        row["sla_fraction_met"] = sum(met) / len(met)
+        row["effective_requests_per_s"] = row["requests_per_s"] * row["sla_fraction_met"]
+    return row
+
+
+def derive_sla(records: list[dict], args: argparse.Namespace) -> dict:
+    """The SLA from the flags, or from the unloaded (concurrency-1) speeds times --sla-fraction."""
+    m = [request_metrics(r) for r in records]
+    prefill = float(np.median([x["prompt_tokens"] / x["ttft"] for x in m]))
+    decode = float(np.median([1 / x["tpot"] for x in m if x["tpot"] > 0]))
+    return {"prompt_tokens_per_s": args.sla_prompt_rate or prefill * args.sla_fraction,
+            "gen_tokens_per_s": args.sla_gen_rate or decode * args.sla_fraction,
+            "unloaded_prefill_tokens_per_s": prefill, "unloaded_decode_tokens_per_s": decode,
+            "fraction": args.sla_fraction, "smoothing_window_tokens": SMOOTH_WINDOW}
+
+
+def offline(model: str, args: argparse.Namespace, requests: list) -> float:
+    """Total tokens/s of the offline pipeline on `requests`, all submitted at once."""
+    options = dict(dtype=getattr(torch, args.dtype), compile=args.compile, max_seqs=args.max_seqs, progress=False)
+    if args.token_budget is not None:
+        options["token_budget"] = args.token_budget
+    pipe = fastgen.pipeline(model, **options)
+    pipe([requests[0][0]], max_new_tokens=2, do_sample=False, ignore_eos=True)  # warm-up, as the server's first request
+    engine = pipe.engine
+    start = time.perf_counter()
+    for prompt, out_len in requests:
+        engine.add_request(prompt, fastgen.SamplingParams(do_sample=False, max_new_tokens=out_len, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    seconds = time.perf_counter() - start
+    pipe.destroy()
+    return sum(len(p) + o for p, o in requests) / seconds
+
+
+def print_table(title: str, rows: dict[str, dict]) -> None:
+    """One line per level: throughputs, then median/p99 of each latency in ms."""
+    print(f"\n{title}")
+    print(f"{'level':>8}{'req':>5}{'req/s':>7}{'out tok/s':>10}{'tot tok/s':>10}{'SLA met':>8}{'eff req/s':>10}"
+          f"{'TTFT p50/p99':>15}{'TPOT p50/p99':>14}{'ITL p50/p99':>14}{'E2E p50/p99 ms':>17}")
+    for name, r in rows.items():
+        lat = "".join(f"{1e3 * r[k]['median']:>{w - 6}.0f}/{1e3 * r[k]['p99']:<5.0f}"
+                      for k, w in (("ttft", 15), ("tpot", 14), ("itl", 14), ("e2e", 17)))
+        print(f"{name:>8}{r['requests']:>5}{r['requests_per_s']:>7.2f}{r['output_tokens_per_s']:>10.1f}"
+              f"{r['total_tokens_per_s']:>10.1f}{100 * r.get('sla_fraction_met', 0):>7.0f}%"
+              f"{r.get('effective_requests_per_s', 0):>10.2f} {lat}")
+
+
+def plot(closed: dict[str, dict], open_loop: dict[str, dict], path: str) -> None:
+    """Token throughput against median E2E latency and p90 TPOT, one point per load level."""
+    plt = pyplot_or_none()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, label in ((axes[0], "e2e", "median E2E latency (s)"), (axes[1], "tpot", "p90 TPOT (ms)")):
+        scale, stat = (1, "median") if key == "e2e" else (1e3, "p90")
+        for rows, style, kind in ((closed, "o-", "clients"), (open_loop, "s--", "req/s Poisson")):
+            if not rows:
+                continue
+            xs = [r["total_tokens_per_s"] for r in rows.values()]
+            ys = [scale * r[key][stat] for r in rows.values()]
+            ax.plot(xs, ys, style, label=kind)
+            for name, x, y in zip(rows, xs, ys):
+                ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel("total tokens/s (prompt + output)")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle("fastgen over gRPC: throughput vs latency")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def interrupt(signum: int, frame) -> None:
+    """Turn SIGTERM into KeyboardInterrupt so cleanup runs as on Ctrl-C."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: a random-weight Llama)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--compile", default="off", choices=["off", "default", "max-autotune"])
+    parser.add_argument("--token-budget", type=int, default=None, help="default: the plan's")
+    parser.add_argument("--max-seqs", type=int, default=32)
+    parser.add_argument("--concurrency", default="1,2,4,8,16")
+    parser.add_argument("--requests-per-client", type=int, default=3, help="closed loop: requests = this x clients")
+    parser.add_argument("--min-requests", type=int, default=8, help="closed loop: at least this many per level")
+    parser.add_argument("--rates", default="", help="Poisson arrival rates in requests/s, e.g. 2,4")
+    parser.add_argument("--poisson-requests", type=int, default=32)
+    parser.add_argument("--prompt-mean", type=int, default=256)
+    parser.add_argument("--output-mean", type=int, default=32)
+    parser.add_argument("--sla-fraction", type=float, default=0.25)
+    parser.add_argument("--sla-prompt-rate", type=float, default=None, help="TTFT limit = prompt tokens / this")
+    parser.add_argument("--sla-gen-rate", type=float, default=None, help="smoothed tokens/s a request must keep")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--no-offline", action="store_true", help="skip the offline pipeline comparison")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench_results/serving.json")
+    parser.add_argument("--plot", default="bench_results/serving.png")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if not levels or min(levels) < 1 or levels[0] != 1:
+        raise ValueError("--concurrency must start with 1 (the unloaded level sets the SLA) and hold positive ints")
+    if not 0 < args.sla_fraction <= 1:
+        raise ValueError(f"--sla-fraction must be in (0, 1], got {args.sla_fraction}")
+    args.levels = levels
+    args.rate_list = [float(r) for r in args.rates.split(",") if r]
+    if any(r <= 0 for r in args.rate_list):
+        raise ValueError("--rates must be positive")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    # SIGTERM (a kill, a CI timeout) unwinds like Ctrl-C, so the finally below stops the server.
+    signal.signal(signal.SIGTERM, interrupt)
+    tmp = tempfile.mkdtemp(prefix="fastgen-bench-")
+    proc = None
+    try:
+        model = args.model
+        if model is None:
+            model = os.path.join(tmp, "model")
+            num_params = build_llama_checkpoint(model, getattr(torch, args.dtype), args.layers, args.hidden)
+            print(f"model: Llama-shaped, {num_params / 1e6:.0f}M parameters, {args.dtype}, random weights")
+        vocab = transformers.AutoConfig.from_pretrained(model).vocab_size
+        port = free_port()
+        log_path = os.path.join(tmp, "serve.log")
+        started = time.perf_counter()
+        proc = start_server(args, model, port, log_path)
+        client = fastgen.client(f"127.0.0.1:{port}")
+        ready = wait_healthy(proc, client, args.startup_timeout, log_path)
+        print(f"serve.py (pid {proc.pid}) healthy on 127.0.0.1:{port} after {ready:.1f} s; compile={args.compile}")
+        one_request(client, workload(1, args.prompt_mean, 4, vocab, args.seed + 99)[0][0], 4)  # warm-up
+
+        closed, open_loop, sla, biggest = {}, {}, None, []
+        for i, c in enumerate(args.levels):
+            n = max(args.min_requests, args.requests_per_client * c)
+            reqs = workload(n, args.prompt_mean, args.output_mean, vocab, args.seed + i)
+            records, seconds = closed_loop(client, reqs, c)
+            if sla is None:
+                sla = derive_sla(records, args)
+            closed[str(c)] = summarise(records, seconds, sla)
+            biggest = reqs
+            print(f"  {c:>3} clients: {n} requests in {seconds:.1f} s")
+        for j, rate in enumerate(args.rate_list):
+            reqs = workload(args.poisson_requests, args.prompt_mean, args.output_mean, vocab, args.seed + 100 + j)
+            records, seconds = poisson(client, reqs, rate, args.seed + j)
+            open_loop[f"{rate:g}/s"] = summarise(records, seconds, sla)
+            print(f"  Poisson {rate:g} req/s: {len(reqs)} requests in {seconds:.1f} s")
+        client.close()
+        stop_server(proc)
+        wall = time.perf_counter() - started
+        offline_tps = None if args.no_offline else offline(model, args, biggest)
+    finally:
+        if proc is not None:
+            stop_server(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"\nSLA: TTFT <= prompt tokens / {sla['prompt_tokens_per_s']:.0f} tok/s and >= {sla['gen_tokens_per_s']:.1f} "
+          f"tok/s over every {SMOOTH_WINDOW} tokens ({args.sla_fraction:g} x the unloaded "
+          f"{sla['unloaded_prefill_tokens_per_s']:.0f} prefill / {sla['unloaded_decode_tokens_per_s']:.1f} decode tok/s)")
+    print_table("closed loop (clients); latencies in ms", closed)
+    if open_loop:
+        print_table("Poisson arrivals (requests/s)", open_loop)
+    ratio = None
+    if offline_tps is not None:
+        top = closed[str(args.levels[-1])]["total_tokens_per_s"]
+        ratio = top / offline_tps
+        print(f"\noffline pipeline on the {args.levels[-1]}-client requests: {offline_tps:.1f} total tok/s; "
+              f"serving at {args.levels[-1]} clients = {100 * ratio:.0f}% of it (target >= 90%)")
+    write_json(args.out, {"args": vars(args), "threads": torch.get_num_threads(),
+                          "server_ready_s": ready, "wall_s": wall, "sla": sla, "closed_loop": closed,
+                          "poisson": open_loop, "offline_total_tokens_per_s": offline_tps,
+                          "serving_vs_offline": ratio})
+    plot(closed, open_loop, args.plot)
+
+
+if __name__ == "__main__":
+    main()
