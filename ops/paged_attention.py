@@ -128,7 +128,8 @@ def _attend_decodes(query, k_cache, v_cache, block_tables, rows, lens, starts, s
                     out) -> None:
     """One-token queries of many sequences: a few batched attention calls instead of one per sequence.
 
-    Rows are sorted by length and grouped so each group's `rows x longest context` stays bounded.
+    Rows are sorted by length and grouped so each group's `rows x longest context` stays bounded
+    and no row is padded to more than about twice its own context.
     """
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     rows = sorted(rows, key=lambda s: lens[s])
@@ -136,7 +137,10 @@ def _attend_decodes(query, k_cache, v_cache, block_tables, rows, lens, starts, s
     for i, s in enumerate(rows):
         group.append(s)
         last = i + 1 == len(rows)
-        if last or (len(group) + 1) * lens[rows[i + 1]] > _DECODE_BATCH_TOKENS:
+        # Close the group before padding would more than double its work (one long context would
+        # otherwise make every short row attend over its length) or its gathered copy grows too big.
+        if (last or (len(group) + 1) * lens[rows[i + 1]] > _DECODE_BATCH_TOKENS
+                or lens[rows[i + 1]] > 2 * max(lens[group[0]], 64)):
             max_len = lens[group[-1]]
             num_blocks = -(-max_len // block_size)
             index = torch.tensor(group, device=query.device)

@@ -286,8 +286,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--requests-per-client", type=int, default=3, help="closed loop: requests = this x clients")
     parser.add_argument("--min-requests", type=int, default=8, help="closed loop: at least this many per level")
-    parser.add_argument("--rates", default="", help="Poisson arrival rates in requests/s, e.g. 2,4")
-    parser.add_argument("--poisson-requests", type=int, default=32)
+    parser.add_argument("--rates", default="2,4", help="Poisson arrival rates in requests/s (\"\" for none)")
+    parser.add_argument("--poisson-requests", type=int, default=24)
     parser.add_argument("--prompt-mean", type=int, default=256)
     parser.add_argument("--output-mean", type=int, default=32)
     parser.add_argument("--sla-fraction", type=float, default=0.25)
@@ -357,9 +357,10 @@ def main() -> None:
             stop_server(proc)
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"\nSLA: TTFT <= prompt tokens / {sla['prompt_tokens_per_s']:.0f} tok/s and >= {sla['gen_tokens_per_s']:.1f} "
-          f"tok/s over every {SMOOTH_WINDOW} tokens ({args.sla_fraction:g} x the unloaded "
-          f"{sla['unloaded_prefill_tokens_per_s']:.0f} prefill / {sla['unloaded_decode_tokens_per_s']:.1f} decode tok/s)")
+    print(f"\nSLA: TTFT <= prompt tokens / {sla['prompt_tokens_per_s']:.0f} tok/s and "
+          f">= {sla['gen_tokens_per_s']:.1f} tok/s over every {SMOOTH_WINDOW} tokens "
+          f"({args.sla_fraction:g} x the unloaded {sla['unloaded_prefill_tokens_per_s']:.0f} prefill / "
+          f"{sla['unloaded_decode_tokens_per_s']:.1f} decode tok/s)")
     print_table("closed loop (clients); latencies in ms", closed)
     if open_loop:
         print_table("Poisson arrivals (requests/s)", open_loop)

@@ -1,7 +1,7 @@
 """Dynamic SplitFuse vs whole-prompt prefill: inter-token latency of steady decode streams while
 long prompts arrive.
 
-    .venv/bin/python scripts/bench_splitfuse.py [--prompt-len 2048] [--interval 0.5] [--duration 20] [--token-budget N]
+    .venv/bin/python scripts/bench_splitfuse.py [--prompt-len 2048] [--interval 1] [--duration 20] [--token-budget N]
 
 A Llama-shaped model with random weights (bf16, 4 layers x 512 by default, sized for a CPU)
 runs `--streams` requests that decode steadily (EOS ignored; a stream that reaches its length is
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--stream-new-tokens", type=int, default=1024, help="length of a stream before it is replaced")
     parser.add_argument("--prompt-len", type=int, default=2048, help="tokens of each arriving long prompt")
     parser.add_argument("--prompt-new-tokens", type=int, default=8, help="tokens each long prompt generates")
-    parser.add_argument("--interval", type=float, default=0.5, help="seconds between long-prompt arrivals")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between long-prompt arrivals")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds during which prompts arrive")
     parser.add_argument("--token-budget", type=int, default=None, help="SplitFuse budget (default: the plan's)")
     parser.add_argument("--max-seqs", type=int, default=32)
