@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import get_activation
-from fastgen.models.rope import build_rotary_embedding
+from fastgen.models.layers import get_activation, rotary_embedding
 from fastgen.ops import AttentionMetadata, attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -146,13 +145,7 @@ class FalconModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = build_rotary_embedding(
-            head_dim=config.head_dim,
-            rotary_dim=int(config.head_dim * config.partial_rotary_factor),
-            max_position=config.max_position_embeddings,
-            base=config.rope_theta,
-            rope_scaling=config.rope_scaling,
-        )
+        self.rotary_emb = rotary_embedding(config)
         self.h = nn.ModuleList(FalconDecoderLayer(config, self.rotary_emb) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.raw.get("layer_norm_epsilon", 1e-5))
 

@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import GatedMLP, MergedLinear
-from fastgen.models.rope import build_rotary_embedding
+from fastgen.models.layers import GATE_UP_PACKING, GatedMLP, MergedLinear, QKV_PACKING, rotary_embedding
 from fastgen.ops import AttentionMetadata, attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -141,13 +140,7 @@ class GemmaModel(nn.Module):
         # A buffer, not a Python float: HF multiplies by this factor rounded to the model dtype
         # (sqrt(3072) becomes 55.5 in bf16), and a buffer also stays valid under CUDA-graph capture.
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
-        self.rotary_emb = build_rotary_embedding(
-            head_dim=config.head_dim,
-            rotary_dim=int(config.head_dim * config.partial_rotary_factor),
-            max_position=config.max_position_embeddings,
-            base=config.rope_theta,
-            rope_scaling=config.rope_scaling,
-        )
+        self.rotary_emb = rotary_embedding(config)
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -169,13 +162,7 @@ class GemmaModel(nn.Module):
 class GemmaForCausalLM(nn.Module):
     """Causal LM over the Gemma decoder; serves gemma and gemma2 checkpoints."""
 
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = {**QKV_PACKING, **GATE_UP_PACKING}
     """Checkpoint module name -> (our merged module, shard index); the loader uses it."""
 
     def __init__(self, config: ModelConfig) -> None:

@@ -1,4 +1,5 @@
-"""Building blocks shared by the model families: norms, merged linears, the gated MLP.
+"""Building blocks shared by the model families: norms, merged linears, the gated MLP, and the
+config-to-rotary and checkpoint-packing conventions every family uses.
 
 Rotary embeddings live in `rope.py`; paged attention in `fastgen.ops`.
 """
@@ -8,6 +9,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fastgen.models.config import ModelConfig
+from fastgen.models.rope import RotaryEmbedding, build_rotary_embedding
+
+QKV_PACKING = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+"""Checkpoint q/k/v projections -> shards of our merged `qkv_proj` (for `packed_modules_mapping`)."""
+
+GATE_UP_PACKING = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+"""Checkpoint gate/up projections -> shards of our merged `gate_up_proj`."""
+
+
+def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
+    """The model's rotary embedding (one per model, shared by its layers) from its config."""
+    return build_rotary_embedding(
+        head_dim=config.head_dim,
+        rotary_dim=int(config.head_dim * config.partial_rotary_factor),
+        max_position=config.max_position_embeddings,
+        base=config.rope_theta,
+        rope_scaling=config.rope_scaling,
+    )
 
 _ACTIVATIONS = {
     "silu": F.silu,

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import GatedMLP, MergedLinear, RMSNorm
-from fastgen.models.rope import build_rotary_embedding
+from fastgen.models.layers import GATE_UP_PACKING, GatedMLP, MergedLinear, QKV_PACKING, RMSNorm, rotary_embedding
 from fastgen.ops import AttentionMetadata, attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -97,13 +96,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = build_rotary_embedding(
-            head_dim=config.head_dim,
-            rotary_dim=int(config.head_dim * config.partial_rotary_factor),
-            max_position=config.max_position_embeddings,
-            base=config.rope_theta,
-            rope_scaling=config.rope_scaling,
-        )
+        self.rotary_emb = rotary_embedding(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_layers)
         )
@@ -126,13 +119,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM over the Llama decoder; serves llama, mistral, qwen2 and qwen3 checkpoints."""
 
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = {**QKV_PACKING, **GATE_UP_PACKING}
     """Checkpoint module name -> (our merged module, shard index); the loader uses it."""
 
     def __init__(self, config: ModelConfig) -> None:

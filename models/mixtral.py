@@ -19,10 +19,9 @@ import torch
 from torch import nn
 
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import RMSNorm
+from fastgen.models.layers import QKV_PACKING, RMSNorm, rotary_embedding
 from fastgen.models.llama import LlamaAttention
 from fastgen.models.moe import MoeConfig, SparseMoeBlock
-from fastgen.models.rope import build_rotary_embedding
 from fastgen.ops import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -59,13 +58,7 @@ class MoeModel(nn.Module):
     def __init__(self, config: ModelConfig, layer_cls: type[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = build_rotary_embedding(
-            head_dim=config.head_dim,
-            rotary_dim=int(config.head_dim * config.partial_rotary_factor),
-            max_position=config.max_position_embeddings,
-            base=config.rope_theta,
-            rope_scaling=config.rope_scaling,
-        )
+        self.rotary_emb = rotary_embedding(config)
         self.layers = nn.ModuleList(layer_cls(config, i, self.rotary_emb) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -90,9 +83,7 @@ class MixtralForCausalLM(nn.Module):
     """The decoder layer the model stacks (subclasses for other MoE families swap it)."""
 
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
+        **QKV_PACKING,
         # transformers 5's fused layout calls the MoE layer `mlp`: a plain rename (no shard).
         "mlp": ("block_sparse_moe", None),
     }

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import MergedLinear, get_activation
+from fastgen.models.layers import MergedLinear, QKV_PACKING, get_activation
 from fastgen.ops import AttentionMetadata, attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -126,11 +126,7 @@ class OPTModel(nn.Module):
 class OPTForCausalLM(nn.Module):
     """Causal LM over the OPT decoder; the LM head reads the (projected) embedding width."""
 
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-    }
+    packed_modules_mapping = dict(QKV_PACKING)
     """Checkpoint module name -> (our merged module, shard index); the loader uses it."""
 
     def __init__(self, config: ModelConfig) -> None:

@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import MergedLinear, get_activation
-from fastgen.models.rope import build_rotary_embedding
+from fastgen.models.layers import MergedLinear, QKV_PACKING, get_activation, rotary_embedding
 from fastgen.ops import AttentionMetadata, attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -102,13 +101,7 @@ class PhiModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = build_rotary_embedding(
-            head_dim=config.head_dim,
-            rotary_dim=int(config.head_dim * config.partial_rotary_factor),
-            max_position=config.max_position_embeddings,
-            base=config.rope_theta,
-            rope_scaling=config.rope_scaling,
-        )
+        self.rotary_emb = rotary_embedding(config)
         self.layers = nn.ModuleList(PhiDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_layers))
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=_layer_norm_eps(config))
 
@@ -129,11 +122,7 @@ class PhiModel(nn.Module):
 class PhiForCausalLM(nn.Module):
     """Causal LM over the Phi decoder; its LM head has a bias."""
 
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-    }
+    packed_modules_mapping = dict(QKV_PACKING)
     """Checkpoint module name -> (our merged module, shard index); the loader uses it."""
 
     def __init__(self, config: ModelConfig) -> None:

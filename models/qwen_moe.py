@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import GatedMLP, RMSNorm
+from fastgen.models.layers import GATE_UP_PACKING, GatedMLP, QKV_PACKING, RMSNorm
 from fastgen.models.llama import LlamaAttention
 from fastgen.models.mixtral import KVCache, MixtralForCausalLM
 from fastgen.models.moe import MoeConfig, SparseMoeBlock
@@ -87,13 +87,7 @@ class QwenMoeForCausalLM(MixtralForCausalLM):
 
     decoder_layer_cls = QwenMoeDecoderLayer
 
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = {**QKV_PACKING, **GATE_UP_PACKING}
     """Checkpoint module name -> (our merged module, shard index): attention, dense MLPs, shared expert."""
 
     stacked_experts_mapping = {
