@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import transformers
 
+import fastgen
 from fastgen.engine import DEMO_MODEL_DIR
 
 
@@ -93,3 +94,19 @@ def write_json(path: str, payload: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2)
     print(f"\nwrote {path}")
+
+
+def run_offline(model: str, requests: list[tuple[list[int], int]], **options) -> float:
+    """Seconds for a fastgen pipeline to serve every (prompt ids, output length) request, all
+    submitted at once, greedy with EOS ignored; start-up and a warm-up request are not timed."""
+    pipe = fastgen.pipeline(model, progress=False, **options)
+    pipe([requests[0][0]], max_new_tokens=2, do_sample=False, ignore_eos=True)
+    engine = pipe.engine
+    start = time.perf_counter()
+    for prompt, out_len in requests:
+        engine.add_request(prompt, fastgen.SamplingParams(do_sample=False, max_new_tokens=out_len, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    elapsed = time.perf_counter() - start
+    pipe.destroy()
+    return elapsed

@@ -41,7 +41,7 @@ import time
 import numpy as np
 import torch
 import transformers
-from bench_common import build_llama_checkpoint, latency_summary, pyplot_or_none, workload, write_json
+from bench_common import build_llama_checkpoint, latency_summary, pyplot_or_none, run_offline, workload, write_json
 
 import fastgen
 
@@ -214,20 +214,10 @@ def derive_sla(records: list[dict], args: argparse.Namespace) -> dict:
 
 def offline(model: str, args: argparse.Namespace, requests: list) -> float:
     """Total tokens/s of the offline pipeline on `requests`, all submitted at once."""
-    options = dict(dtype=getattr(torch, args.dtype), compile=args.compile, max_seqs=args.max_seqs, progress=False)
+    options = dict(dtype=getattr(torch, args.dtype), compile=args.compile, max_seqs=args.max_seqs)
     if args.token_budget is not None:
         options["token_budget"] = args.token_budget
-    pipe = fastgen.pipeline(model, **options)
-    pipe([requests[0][0]], max_new_tokens=2, do_sample=False, ignore_eos=True)  # warm-up, as the server's first request
-    engine = pipe.engine
-    start = time.perf_counter()
-    for prompt, out_len in requests:
-        engine.add_request(prompt, fastgen.SamplingParams(do_sample=False, max_new_tokens=out_len, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    seconds = time.perf_counter() - start
-    pipe.destroy()
-    return sum(len(p) + o for p, o in requests) / seconds
+    return sum(len(p) + o for p, o in requests) / run_offline(model, requests, **options)
 
 
 def print_table(title: str, rows: dict[str, dict]) -> None:

@@ -20,24 +20,8 @@ import time
 
 import torch
 import transformers
-from bench_common import build_llama_checkpoint, matmul_flops, workload, write_json
+from bench_common import build_llama_checkpoint, matmul_flops, run_offline, workload, write_json
 
-import fastgen
-
-
-def run_fastgen(path: str, requests, dtype, **options) -> float:
-    """Seconds for fastgen to serve every request (compilation happens before the clock starts)."""
-    pipe = fastgen.pipeline(path, dtype=dtype, progress=False, **options)
-    pipe([requests[0][0]], max_new_tokens=4, do_sample=False, ignore_eos=True)  # warm-up
-    engine = pipe.engine
-    start = time.perf_counter()
-    for prompt, out_len in requests:
-        engine.add_request(prompt, fastgen.SamplingParams(do_sample=False, max_new_tokens=out_len, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    elapsed = time.perf_counter() - start
-    pipe.destroy()
-    return elapsed
 
 
 @torch.inference_mode()
@@ -83,7 +67,7 @@ def main() -> None:
               f"{torch.get_num_threads()} threads")
         print(f"workload: {len(requests)} requests, {prompt_tokens} prompt + {output_tokens} output tokens")
 
-        results = {"fastgen": run_fastgen(tmp, requests, dtype, compile=args.compile,
+        results = {"fastgen": run_offline(tmp, requests, dtype=dtype, compile=args.compile,
                                           token_budget=args.token_budget, max_seqs=min(256, args.token_budget))}
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
         hf.generation_config.eos_token_id = None
