@@ -54,7 +54,8 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     """Plan: KV-cache size, bytes (int) or a fraction (float in (0, 1]) of the memory left after weights."""
     tensor_parallel: int | None = None
-    """Plan: tensor-parallel ranks (only 1 today)."""
+    """Plan: processes the weights and KV cache are split over (one per GPU; on a CPU they share the
+    cores); None = the policy's choice, or WORLD_SIZE under torchrun."""
     replica_num: int | None = None
     """Plan: engine replicas; a serving option (`fastgen.serve`), 1 for a pipeline."""
 
@@ -70,8 +71,9 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.device is not None:
             torch.device(self.device)  # raises on a malformed device string
-        if self.tensor_parallel not in (None, 1):
-            raise NotImplementedError("tensor_parallel > 1 is not implemented yet (tensor parallelism is issue 8)")
+        if self.tensor_parallel is not None and (isinstance(self.tensor_parallel, bool)
+                                                 or not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1):
+            raise ValueError(f"tensor_parallel must be a positive int or None, got {self.tensor_parallel!r}")
         if self.replica_num not in (None, 1):
             raise ValueError("replica_num > 1 runs several engine processes: use fastgen.serve(..., replica_num=N)")
 

@@ -20,16 +20,20 @@ from transformers import AutoTokenizer
 from fastgen.block_manager import BlockManager
 from fastgen.config import EngineConfig
 from fastgen.detokenizer import TextStream
+from fastgen.distributed import TensorParallelGroup, WorkerSpec, torchrun_env
 from fastgen.hardware import detect_hardware
 from fastgen.model_facts import model_facts
 from fastgen.model_runner import ModelRunner, kv_bytes_per_block
-from fastgen.models.loader import load_model
+from fastgen.models.config import ModelConfig
+from fastgen.models.loader import load_model, resolve_model_dir
+from fastgen.models.registry import check_tensor_parallel_support
 from fastgen.outputs import Response
 from fastgen.policy import make_plan
 from fastgen.sampler import Sampler, SamplingMetadata, make_generator
 from fastgen.sampling_params import SamplingParams
 from fastgen.scheduler import Scheduler
 from fastgen.sequence import Sequence, SequenceStatus
+from fastgen.step_inputs import build_host_inputs
 
 logger = logging.getLogger("fastgen")
 
@@ -46,33 +50,69 @@ class Engine:
         overrides = config.plan_overrides()
         if overrides["compile"] is None and os.environ.get("FASTGEN_COMPILE"):
             overrides["compile"] = os.environ["FASTGEN_COMPILE"]
+        launch = torchrun_env()
+        if launch is not None and overrides["tensor_parallel"] is None:
+            overrides["tensor_parallel"] = launch.world_size
         self.plan = make_plan(model_facts(model_path), detect_hardware(config.device), **overrides)
         plan = self.plan
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         logger.info("fastgen plan for %s on %s:\n%s", model_path, self.device, plan.table())
-
-        loaded = load_model(model_path, dtype=plan.dtype, device=self.device, progress=config.progress)
+        self.model_dir = resolve_model_dir(model_path)
+        self.model_config = ModelConfig.from_file(os.path.join(self.model_dir, "config.json"))
         self.dtype = plan.dtype
+        self.block_size = plan.block_size
+        model_max = self.model_config.max_position_embeddings
+        if config.max_length is not None and config.max_length > model_max:
+            raise ValueError(f"max_length {config.max_length} exceeds the model's context of {model_max} tokens")
+
+        self.tp_group: TensorParallelGroup | None = None
+        if plan.tensor_parallel > 1:
+            check_tensor_parallel_support(self.model_config.model_type)
+            self.tp_group = TensorParallelGroup(plan.tensor_parallel, self.device.type, self.device.index or 0)
+            self.model_config.parallel = self.tp_group.parallel
+        try:
+            self._build(config, plan)
+        except BaseException:
+            if self.tp_group is not None:
+                self.tp_group.shutdown()
+            raise
+        logger.info("fastgen engine: %s on %s, %s, %d KV blocks of %d tokens, max_model_len %d, tensor_parallel %d",
+                    self.model_dir, self.device, self.dtype, self.block_manager.num_blocks, self.block_size,
+                    self.max_model_len, plan.tensor_parallel)
+
+    def _build(self, config: EngineConfig, plan) -> None:
+        """Load the weights (this rank's share), size the KV cache, build runner, scheduler and sampler."""
+        wanted_len = config.max_length or self.model_config.max_position_embeddings
+        num_blocks = self._num_kv_blocks(wanted_len)
+        self.max_model_len = min(wanted_len, num_blocks * self.block_size)
+        # Without compilation or graphs, padding to a bucket only adds work: run exact shapes.
+        static = plan.compile != "off" or plan.cuda_graphs or config.buckets is not None
+        buckets = plan.buckets if static else ()
+        parallel = self.model_config.parallel
+        if self.tp_group is not None:
+            # Ranks share this machine's cores: split them so the ranks do not fight over threads.
+            threads = max(1, torch.get_num_threads() // plan.tensor_parallel) if self.device.type == "cpu" else 1
+            if self.device.type == "cpu":
+                logger.info("fastgen: %d CPU threads per tensor-parallel rank", threads)
+                torch.set_num_threads(threads)
+            # Workers load their shards while this rank loads its own.
+            self.tp_group.send_spec(WorkerSpec(
+                model_dir=self.model_dir, dtype=self.dtype, device_type=self.device.type,
+                device_index=self.device.index or 0, num_blocks=num_blocks, block_size=self.block_size,
+                attention_backend=plan.attention_backend, buckets=tuple(buckets), max_seqs=plan.max_seqs,
+                max_model_len=self.max_model_len, compile=plan.compile, cuda_graphs=plan.cuda_graphs,
+                num_threads=threads))
+        loaded = load_model(self.model_dir, dtype=plan.dtype, device=self.device, progress=config.progress,
+                            parallel=parallel)
         self.model_config = loaded.config
-        self.model_dir = loaded.model_dir
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.tokenizer = AutoTokenizer.from_pretrained(loaded.model_dir)
         if self.tokenizer.eos_token_id is not None and not self.eos_token_ids:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         self.vocab_size = self.model_config.vocab_size
-
-        self.block_size = plan.block_size
-        model_max = self.model_config.max_position_embeddings
-        if config.max_length is not None and config.max_length > model_max:
-            raise ValueError(f"max_length {config.max_length} exceeds the model's context of {model_max} tokens")
-        wanted_len = config.max_length or model_max
-        num_blocks = self._num_kv_blocks(wanted_len)
-        self.max_model_len = min(wanted_len, num_blocks * self.block_size)
-        # Without compilation or graphs, padding to a bucket only adds work: run exact shapes.
-        static = plan.compile != "off" or plan.cuda_graphs or config.buckets is not None
         self.runner = ModelRunner(
             loaded.model, self.model_config, num_blocks, self.block_size, self.device, self.dtype,
-            attention_backend=plan.attention_backend, buckets=plan.buckets if static else (),
+            attention_backend=plan.attention_backend, buckets=buckets,
             max_seqs=plan.max_seqs, max_model_len=self.max_model_len, compile=plan.compile,
             cuda_graphs=plan.cuda_graphs, progress=config.progress,
         )
@@ -87,8 +127,6 @@ class Engine:
         self.requests: dict[str, list[Sequence]] = {}
         self._num_steps = 0
         self._step_seconds = 0.0
-        logger.info("fastgen engine: %s on %s, %s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.model_dir, self.device, self.dtype, num_blocks, self.block_size, self.max_model_len)
 
     def _num_kv_blocks(self, max_len: int) -> int:
         """KV blocks from `num_kv_blocks`, else from the plan's KV memory, capped at what max_seqs
@@ -176,7 +214,15 @@ class Engine:
                 raise RuntimeError("scheduler made no progress although requests are pending (KV cache too small?)")
             return []
         started = time.perf_counter()
-        logits = self.runner.execute(batch.chunks, self.block_manager)
+        host = build_host_inputs(batch.chunks, self.block_manager)
+        if self.tp_group is not None:
+            self.tp_group.broadcast_step(host)
+            try:
+                logits = self.runner.execute(host)
+            except Exception as exc:
+                raise self.tp_group.failure(exc) from exc
+        else:
+            logits = self.runner.execute(host)
         to_sample = []
         for seq, num_new in batch.chunks:
             seq.num_computed_tokens += num_new
@@ -324,5 +370,8 @@ class Engine:
         for request_id in list(self.requests):
             self.abort(request_id)
         self.runner = None
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
+            self.tp_group = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

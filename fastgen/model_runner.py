@@ -15,10 +15,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fastgen.block_manager import BlockManager
 from fastgen.models.config import ModelConfig
-from fastgen.sequence import Sequence
-from fastgen.step_inputs import StaticBuffers, build_host_inputs, make_metadata, pick_bucket
+from fastgen.step_inputs import HostStepInputs, StaticBuffers, make_metadata, pick_bucket
 
 logger = logging.getLogger("fastgen")
 
@@ -27,9 +25,10 @@ COMPILE_MODES = ("off", "default", "max-autotune")
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V of all layers for one block."""
+    """Bytes of K and V of all layers for one block, on this tensor-parallel rank."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+    kv_heads = config.parallel.kv_heads(config.num_kv_heads)
+    return 2 * config.num_layers * block_size * kv_heads * config.head_dim * itemsize
 
 
 class ModelRunner:
@@ -68,7 +67,7 @@ class ModelRunner:
         self.buckets = sorted(set(buckets))
         self.compile_mode = compile
         self.cuda_graphs = cuda_graphs
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (num_blocks, block_size, config.parallel.kv_heads(config.num_kv_heads), config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
@@ -121,9 +120,9 @@ class ModelRunner:
             logger.info("fastgen: bucket %d tokens ready in %.2f s (%s)", bucket, self.warmup_seconds[bucket], what)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[tuple[Sequence, int]], block_manager: BlockManager) -> torch.Tensor:
-        """Run one step; fp32 logits `[N, vocab]` for the chunks that end their sequence, in order."""
-        host = build_host_inputs(chunks, block_manager)
+    def execute(self, host: HostStepInputs) -> torch.Tensor | None:
+        """Run one step (`build_host_inputs` of the scheduled chunks); fp32 logits `[N, vocab]` for the
+        chunks that end their sequence, in order (None on tensor-parallel ranks other than 0)."""
         bucket = pick_bucket(self.buckets, host.num_tokens) if self.buckets else None
         if bucket is None:
             hidden = self._forward(*self._exact_tensors(host))

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from fastgen.models.parallel import SINGLE, TensorParallel
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -85,6 +87,8 @@ class ModelConfig:
     """Beginning-of-sequence id."""
     raw: dict = field(default_factory=dict)
     """The config.json dict as read (plus the generic names of `_KEY_ALIASES`), for family-specific fields."""
+    parallel: TensorParallel = SINGLE
+    """This process's tensor-parallel rank and group (set by the loader; not from config.json)."""
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":

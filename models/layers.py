@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastgen.models.config import ModelConfig
+from fastgen.models.parallel import SINGLE, MergedLinear, RowParallelLinear, TensorParallel
 from fastgen.models.rope import RotaryEmbedding, build_rotary_embedding
 
 QKV_PACKING = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
@@ -63,27 +64,20 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class MergedLinear(nn.Linear):
-    """A linear whose output rows concatenate several checkpoint linears (q|k|v, gate|up).
+class GatedMLP(nn.Module):
+    """`down(act(gate(x)) * up(x))` with gate and up merged into one projection.
 
-    One matmul instead of several; the loader fills shard `i` at rows
-    `sum(output_sizes[:i]) : sum(output_sizes[:i + 1])`.
+    Under tensor parallelism gate/up are column-parallel and down row-parallel: one all-reduce,
+    or none with `reduce=False` (the caller sums this partial output with others first).
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = list(output_sizes)
-
-
-class GatedMLP(nn.Module):
-    """`down(act(gate(x)) * up(x))` with gate and up merged into one projection."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False,
+                 tp: TensorParallel = SINGLE, reduce: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp, reduce=reduce)
         self.act = get_activation(hidden_act)
-        self.intermediate_size = intermediate_size
+        self.intermediate_size = self.gate_up_proj.output_sizes[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to `x` `[T, hidden]`."""

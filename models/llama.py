@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import GATE_UP_PACKING, GatedMLP, MergedLinear, QKV_PACKING, RMSNorm, rotary_embedding
+from fastgen.models.layers import GATE_UP_PACKING, GatedMLP, QKV_PACKING, RMSNorm, rotary_embedding
+from fastgen.models.parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, qkv_linear
 from fastgen.ops import AttentionMetadata, attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -34,8 +35,10 @@ class LlamaAttention(nn.Module):
     ) -> None:
         """`qkv_bias`/`o_bias`/`qk_norm` default to what the config's family implies."""
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        tp = config.parallel
+        # Under tensor parallelism this rank holds only its heads; the sizes below are its share.
+        self.num_heads = tp.split(config.num_heads, "the attention heads")
+        self.num_kv_heads = tp.kv_heads(config.num_kv_heads)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -46,8 +49,9 @@ class LlamaAttention(nn.Module):
             qkv_bias = config.attention_bias or config.model_type == "qwen2"
         if o_bias is None:
             o_bias = config.attention_bias and config.model_type != "qwen2"
-        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = qkv_linear(config.hidden_size, config.num_heads, config.num_kv_heads, self.head_dim,
+                                   qkv_bias, tp)
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, o_bias, tp)
         self.qk_norm = config.model_type == "qwen3" if qk_norm is None else qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -80,7 +84,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias,
+                            tp=config.parallel)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv_cache: KVCache
@@ -95,7 +100,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.parallel)
         self.rotary_emb = rotary_embedding(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_layers)
@@ -122,11 +127,14 @@ class LlamaForCausalLM(nn.Module):
     packed_modules_mapping = {**QKV_PACKING, **GATE_UP_PACKING}
     """Checkpoint module name -> (our merged module, shard index); the loader uses it."""
 
+    supports_tensor_parallel = True
+    """Every layer is built from `parallel.py`'s sharded layers, so `tensor_parallel > 1` works."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, config.parallel)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -144,6 +152,6 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states `[T, hidden]`; call `compute_logits` on the rows that need logits."""
         return self.model(input_ids, positions, attn_metadata, kv_caches)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits `[N, vocab]` for the selected hidden rows."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits `[N, vocab]` for the selected hidden rows (None on tensor-parallel ranks > 0)."""
+        return self.lm_head.logits(hidden)

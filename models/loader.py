@@ -19,7 +19,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fastgen.models.config import ModelConfig, load_generation_eos, parse_dtype
-from fastgen.models.registry import get_model_class
+from fastgen.models.parallel import SINGLE, TensorParallel, read_whole
+from fastgen.models.registry import check_tensor_parallel_support, get_model_class
 
 # Checkpoint tensors that hold no weights we use (old Llama checkpoints saved rotary tables).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -132,8 +133,12 @@ class _WeightSink:
             self.params[param_name] = param
         return param.data
 
-    def put(self, name: str, tensor: torch.Tensor) -> None:
+    def put(self, name: str, tensor) -> None:
         """Copy checkpoint tensor `name` into its place (cast and moved), checking its shape.
+
+        `tensor` is a tensor or a safetensors lazy slice. Under tensor parallelism the module that
+        owns the parameter picks this rank's slice (`load_checkpoint_shard`), so only those bytes
+        are read from the file.
 
         A model whose checkpoint does not mirror its module tree (other prefixes, `[in, out]`
         weights, interleaved fused projections, buffers to skip) defines
@@ -142,7 +147,7 @@ class _WeightSink:
         """
         adapt = getattr(self.model, "adapt_checkpoint_tensor", None)
         if adapt is not None:
-            adapted = adapt(name, tensor)
+            adapted = adapt(name, read_whole(tensor))
             if adapted is None:
                 return
             name, tensor = adapted
@@ -152,6 +157,12 @@ class _WeightSink:
                 return
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self.model).__name__}")
         dest = self._materialise(param_name)
+        module_name, _, attr = param_name.rpartition(".")
+        sharder = getattr(self.model.get_submodule(module_name), "load_checkpoint_shard", None)
+        if sharder is not None and self.model.config.parallel.size > 1:
+            tensor = sharder(attr, shard, tensor)
+        else:
+            tensor = read_whole(tensor)
         if expert is not None:
             if expert >= dest.shape[0]:
                 raise ValueError(f"checkpoint tensor {name!r} names expert {expert}, but the model has {dest.shape[0]}")
@@ -207,8 +218,9 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    parallel: TensorParallel = SINGLE,
 ) -> LoadedModel:
-    """Build the model for a checkpoint and load its weights.
+    """Build the model for a checkpoint and load its weights (this rank's share under `parallel`).
 
     `dtype` None keeps the checkpoint's dtype (fp32 if the config does not say).
     """
@@ -217,7 +229,10 @@ def load_model(
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{model_dir} has no config.json")
     config = ModelConfig.from_file(config_path)
+    config.parallel = parallel
     model_cls = get_model_class(config.model_type)
+    if parallel.size > 1:
+        check_tensor_parallel_support(config.model_type)
     files = _safetensors_files(model_dir)
     dtype = parse_dtype(dtype) or config.dtype or torch.float32
     device = torch.device(device)
@@ -234,7 +249,7 @@ def load_model(
     with tqdm(total=total, desc=f"loading {name}", unit="tensor", disable=not progress) as bar:
         for f in handles:
             for key in f.keys():
-                sink.put(key, f.get_tensor(key))
+                sink.put(key, f.get_slice(key))
                 bar.update(1)
     sink.check_complete()
     model.tie_weights()

@@ -22,6 +22,7 @@ from fastgen.models.config import ModelConfig
 from fastgen.models.layers import QKV_PACKING, RMSNorm, rotary_embedding
 from fastgen.models.llama import LlamaAttention
 from fastgen.models.moe import MoeConfig, SparseMoeBlock
+from fastgen.models.parallel import ParallelLMHead, VocabParallelEmbedding
 from fastgen.ops import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -42,7 +43,7 @@ class MixtralDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.block_sparse_moe = SparseMoeBlock(config.hidden_size, moe)
+        self.block_sparse_moe = SparseMoeBlock(config.hidden_size, moe, config.parallel)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv_cache: KVCache
@@ -57,7 +58,7 @@ class MoeModel(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_cls: type[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.parallel)
         self.rotary_emb = rotary_embedding(config)
         self.layers = nn.ModuleList(layer_cls(config, i, self.rotary_emb) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -96,11 +97,14 @@ class MixtralForCausalLM(nn.Module):
     }
     """Per-expert checkpoint module `experts.{i}.<name>` -> (our stacked parameter, shard index)."""
 
+    supports_tensor_parallel = True
+    """Attention, experts, embedding and LM head are all `parallel.py` layers."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = MoeModel(config, self.decoder_layer_cls)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, config.parallel)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -118,6 +122,6 @@ class MixtralForCausalLM(nn.Module):
         """Hidden states `[T, hidden]`; call `compute_logits` on the rows that need logits."""
         return self.model(input_ids, positions, attn_metadata, kv_caches)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits `[N, vocab]` for the selected hidden rows."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits `[N, vocab]` for the selected hidden rows (None on tensor-parallel ranks > 0)."""
+        return self.lm_head.logits(hidden)

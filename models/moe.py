@@ -21,6 +21,7 @@ from torch import nn
 
 from fastgen.models.config import ModelConfig
 from fastgen.models.layers import GatedMLP, get_activation
+from fastgen.models.parallel import SINGLE, TensorParallel, all_reduce, read_slice, shape_of
 
 # Reading one selected expert's weights through a gather costs about three passes over them (read,
 # write the copy, read the copy) against one pass over every expert for the dense path.
@@ -100,17 +101,37 @@ class StackedExperts(nn.Module):
     A loop over experts with `nonzero`/`index_add` would do the sparse FLOPs but has
     data-dependent shapes: a host sync per layer, a graph break, and no CUDA-graph capture.
     Doing the sparse FLOPs with static shapes needs a grouped-GEMM kernel (a job for `ops/`).
+
+    Under tensor parallelism every rank holds every expert's slice of the intermediate columns
+    (vLLM's default, rather than whole experts per rank): the load stays even whatever the router
+    picks, and the output is a partial sum the MoE block all-reduces once.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.num_experts = num_experts
+        self.full_intermediate_size = intermediate_size
+        intermediate_size = tp.split(intermediate_size, "the experts' intermediate size")
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = get_activation(hidden_act)
         # Checkpoints keep gate and up apart: the loader fills these rows of each expert separately.
         self.output_sizes = {"gate_up_proj": [intermediate_size, intermediate_size]}
+
+    def load_checkpoint_shard(self, attr: str, shard: int | None, full) -> torch.Tensor:
+        """This rank's intermediate columns of one expert's tensor (2-D) or of the fused stack (3-D)."""
+        size, start = self.intermediate_size, self.tp.rank * self.intermediate_size
+        fused = len(shape_of(full)) == 3
+        if attr == "down_proj":
+            return read_slice(full, 2 if fused else 1, start, size)
+        if not fused:
+            return read_slice(full, 0, start, size)
+        # Fused gate|up rows: this rank's gate rows, then its up rows.
+        return torch.cat([read_slice(full, 1, start, size),
+                          read_slice(full, 1, self.full_intermediate_size + start, size)], dim=1)
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's selected experts: `hidden [T, H]`, weights/ids `[T, k]` -> `[T, H]`."""
@@ -149,15 +170,17 @@ class SparseMoeBlock(nn.Module):
     `experts.down_proj`, and for Qwen2-MoE `shared_expert.*` and `shared_expert_gate.weight`.
     """
 
-    def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
+    def __init__(self, hidden_size: int, moe: MoeConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
-        self.experts = StackedExperts(moe.num_experts, hidden_size, moe.intermediate_size, moe.hidden_act)
+        self.experts = StackedExperts(moe.num_experts, hidden_size, moe.intermediate_size, moe.hidden_act, tp)
         self.has_shared_expert = moe.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
-            self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, moe.hidden_act)
+            self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, moe.hidden_act,
+                                          tp=tp, reduce=False)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -166,4 +189,5 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(hidden, topk_weights, topk_ids)
         if self.has_shared_expert:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return out
+        # One all-reduce sums the ranks' partial routed and shared outputs together.
+        return all_reduce(out, self.tp)

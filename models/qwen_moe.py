@@ -70,9 +70,9 @@ class QwenMoeDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_idx, rotary, **attention_options(config))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if is_sparse_layer(config, layer_idx):
-            self.mlp = SparseMoeBlock(config.hidden_size, moe_config(config))
+            self.mlp = SparseMoeBlock(config.hidden_size, moe_config(config), config.parallel)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=config.parallel)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv_cache: KVCache

@@ -47,3 +47,11 @@ def get_model_class(model_type: str) -> type[nn.Module]:
             f"unsupported model_type {model_type!r}; fastgen supports: {', '.join(supported_model_types())}"
         )
     return MODEL_REGISTRY[model_type]
+
+
+def check_tensor_parallel_support(model_type: str) -> None:
+    """Raise NotImplementedError unless `model_type`'s class is built from the tensor-parallel layers."""
+    if not getattr(get_model_class(model_type), "supports_tensor_parallel", False):
+        supported = sorted(t for t, cls in MODEL_REGISTRY.items() if getattr(cls, "supports_tensor_parallel", False))
+        raise NotImplementedError(f"tensor_parallel > 1 is not implemented for {model_type!r} yet "
+                                  f"(supported: {', '.join(supported)}); use tensor_parallel=1 or replicas")

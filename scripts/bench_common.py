@@ -30,10 +30,12 @@ def build_llama_checkpoint(path: str, dtype: torch.dtype, layers: int, hidden: i
     return sum(p.numel() for p in model.parameters())
 
 
-def workload(n: int, prompt_mean: int, output_mean: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
-    """Seeded (prompt token ids, output length) pairs: normal lengths with a 30% spread."""
+def workload(n: int, prompt_mean: int, output_mean: int, vocab: int, seed: int,
+             max_prompt: int = 1024) -> list[tuple[list[int], int]]:
+    """Seeded (prompt token ids, output length) pairs: normal lengths with a 30% spread, prompts
+    clipped to 16..max_prompt tokens (issue 9's workload)."""
     rng = np.random.default_rng(seed)
-    plens = np.clip(rng.normal(prompt_mean, 0.3 * prompt_mean, n), 16, 8 * prompt_mean).astype(int)
+    plens = np.clip(rng.normal(prompt_mean, 0.3 * prompt_mean, n), 16, max_prompt).astype(int)
     olens = np.clip(rng.normal(output_mean, 0.3 * output_mean, n), 4, 8 * output_mean).astype(int)
     return [(rng.integers(3, vocab, p).tolist(), int(o)) for p, o in zip(plens, olens)]
 

@@ -1,0 +1,319 @@
+"""Tensor-parallel ranks: starting them, sending them each step, and noticing when one dies.
+
+Rank 0 is the engine: it alone schedules, samples and detokenizes. Every other rank holds its
+share of the weights and of the KV cache and runs the same step as rank 0, so the collectives in
+the model line up. Per step rank 0 sends only the flat integer inputs (`HostStepInputs`: token
+ids, positions, slots, block tables, ...) as two tensor broadcasts over a gloo group, a header
+and one payload; no sequence object is pickled. The worker spec (checkpoint, plan, KV blocks) is
+pickled once, at start.
+
+Ranks come from one of two places:
+- `tensor_parallel=N` in a normal process: rank 0 starts N-1 worker processes
+  (`python -m fastgen.tp_worker`, fresh interpreters, so a user's script is never re-imported)
+  and meets them through a TCP store on a free port;
+- a `torchrun` launch (the environment has RANK/WORLD_SIZE): every process calls
+  `fastgen.pipeline` or `scripts/serve.py`; rank 0 becomes the engine, the others serve it.
+
+A dead worker closes its sockets, so rank 0's next collective fails at once; rank 0 then names
+the rank, its exit status and the last line of its error, and refuses further steps.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fastgen.models.parallel import TensorParallel
+from fastgen.step_inputs import HostStepInputs
+
+logger = logging.getLogger("fastgen")
+
+CMD_STEP = 1
+CMD_SHUTDOWN = 2
+_HEADER_LEN = 6  # command, tokens, sequences, block-table width, logits rows, spare
+
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("FASTGEN_TP_TIMEOUT", "600"))
+"""Seconds a collective may wait for a rank that is alive but silent (a dead one fails at once).
+Long enough for a slow rank to compile a bucket during warm-up."""
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed; the engine cannot step any more."""
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """What a worker needs to build its share of the engine (sent once, pickled, by rank 0)."""
+
+    model_dir: str
+    """Local checkpoint directory."""
+    dtype: torch.dtype
+    """Weights and KV dtype."""
+    device_type: str
+    """"cpu" or "cuda"; on CUDA each rank uses its own device (see `rank_device`)."""
+    device_index: int
+    """CUDA device index of rank 0; rank r uses `device_index + r` (spawned workers)."""
+    num_blocks: int
+    """KV blocks per rank (each rank holds its KV heads of every block)."""
+    block_size: int
+    """Tokens per KV block."""
+    attention_backend: str
+    """"torch" or "triton"."""
+    buckets: tuple[int, ...]
+    """Static step sizes to compile/capture (empty: exact shapes)."""
+    max_seqs: int
+    """Sequences per step."""
+    max_model_len: int
+    """Longest sequence (sizes the block tables)."""
+    compile: str
+    """Compile mode of the step."""
+    cuda_graphs: bool
+    """Capture each bucket as a CUDA graph."""
+    num_threads: int
+    """CPU threads per rank (ranks share the cores of one machine)."""
+
+
+@dataclass(slots=True, frozen=True)
+class TorchrunEnv:
+    """This process's place in a `torchrun` launch."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Processes in the launch."""
+    local_rank: int
+    """Rank on this machine (its CUDA device index)."""
+
+
+def torchrun_env() -> TorchrunEnv | None:
+    """The torchrun launch this process belongs to, None when not launched by torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return None
+    try:
+        return TorchrunEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                           int(os.environ.get("LOCAL_RANK", 0)))
+    except (KeyError, ValueError) as exc:
+        raise RuntimeError(f"torchrun environment is incomplete or malformed ({exc}): need RANK and WORLD_SIZE") from exc
+
+
+def backend_for(device_type: str) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def rank_device(device_type: str, device_index: int, rank: int, env: TorchrunEnv | None) -> torch.device:
+    """The device of `rank`: its LOCAL_RANK GPU under torchrun, else `device_index + rank`."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", env.local_rank if env is not None else device_index + rank)
+
+
+def metadata_group(device_type: str):
+    """The group the step inputs travel on: gloo over host memory (the default group on a CPU)."""
+    return dist.new_group(backend="gloo") if device_type == "cuda" else dist.group.WORLD
+
+
+def pack_step(host: HostStepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's inputs as a header and one int64 payload."""
+    width = max(len(t) for t in host.block_tables)
+    tables = [b for t in host.block_tables for b in (t + [0] * (width - len(t)))]
+    payload = (host.input_ids + host.positions + host.slot_mapping + host.seq_lens + host.query_start_loc
+               + tables + host.logits_indices)
+    header = [CMD_STEP, host.num_tokens, host.num_seqs, width, len(host.logits_indices), 0]
+    return torch.tensor(header, dtype=torch.int64), torch.tensor(payload, dtype=torch.int64)
+
+
+def unpack_step(header: list[int], payload: torch.Tensor) -> HostStepInputs:
+    """Inverse of `pack_step`."""
+    _, num_tokens, num_seqs, width, num_logits, _ = header
+    values = payload.tolist()
+    sizes = [num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs * width, num_logits]
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(values[start : start + size])
+        start += size
+    ids, positions, slots, seq_lens, qsl, flat_tables, logits_indices = parts
+    tables = [flat_tables[i * width : (i + 1) * width] for i in range(num_seqs)]
+    return HostStepInputs(ids, positions, slots, seq_lens, qsl, tables, logits_indices)
+
+
+class StepChannel:
+    """Rank 0 broadcasts commands and step inputs; the other ranks receive them."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+
+    def send_step(self, host: HostStepInputs) -> None:
+        """Rank 0: send one step."""
+        header, payload = pack_step(host)
+        dist.broadcast(header, self.src, group=self.group)
+        dist.broadcast(payload, self.src, group=self.group)
+
+    def send_shutdown(self) -> None:
+        """Rank 0: tell the other ranks to stop."""
+        dist.broadcast(torch.tensor([CMD_SHUTDOWN] + [0] * (_HEADER_LEN - 1), dtype=torch.int64), self.src,
+                       group=self.group)
+
+    def receive(self) -> HostStepInputs | None:
+        """Other ranks: the next step, or None when rank 0 says stop."""
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+        dist.broadcast(header, self.src, group=self.group)
+        values = header.tolist()
+        if values[0] == CMD_SHUTDOWN:
+            return None
+        if values[0] != CMD_STEP:
+            raise RuntimeError(f"unknown tensor-parallel command {values[0]} from rank 0")
+        _, num_tokens, num_seqs, width, num_logits, _ = values
+        payload = torch.empty(3 * num_tokens + 2 * num_seqs + 1 + num_seqs * width + num_logits, dtype=torch.int64)
+        dist.broadcast(payload, self.src, group=self.group)
+        return unpack_step(values, payload)
+
+    def broadcast_spec(self, spec: WorkerSpec | None) -> WorkerSpec:
+        """Rank 0 sends the worker spec (pickled once); the others receive it."""
+        box = [spec]
+        dist.broadcast_object_list(box, self.src, group=self.group)
+        return box[0]
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class TensorParallelGroup:
+    """Rank 0's side of a tensor-parallel group: the ranks' process group, workers, and step channel."""
+
+    def __init__(self, size: int, device_type: str, device_index: int) -> None:
+        """Join (torchrun) or start (N-1 worker processes) a group of `size` ranks with this process as rank 0."""
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel engine is already running in this process: destroy() it "
+                               "before starting another (torch.distributed has one default group per process)")
+        self.size = size
+        self.workers: dict[int, subprocess.Popen] = {}
+        self._error_dir = tempfile.mkdtemp(prefix="fastgen-tp-")
+        self._failure: TensorParallelError | None = None
+        backend = backend_for(device_type)
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        env = torchrun_env()
+        if env is not None:
+            if env.rank != 0:
+                raise RuntimeError(f"torchrun rank {env.rank} must serve rank 0 (fastgen.tp_worker), not build an engine")
+            if env.world_size != size:
+                raise ValueError(f"torchrun started {env.world_size} processes but tensor_parallel is {size}: "
+                                 "they must match (one rank per process)")
+            dist.init_process_group(backend, init_method="env://", rank=0, world_size=size, timeout=timeout)
+        else:
+            store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=timeout)
+            try:
+                for rank in range(1, size):
+                    self.workers[rank] = self._spawn(rank, store.port, backend, device_type, device_index)
+                dist.init_process_group(backend, store=store, rank=0, world_size=size, timeout=timeout)
+            except BaseException:
+                self._kill_workers()
+                raise
+        self.parallel = TensorParallel(rank=0, size=size, group=dist.group.WORLD)
+        self.channel = StepChannel(metadata_group(device_type))
+
+    def _spawn(self, rank: int, port: int, backend: str, device_type: str, device_index: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "fastgen.tp_worker", "--rank", str(rank), "--world-size", str(self.size),
+               "--store-port", str(port), "--backend", backend, "--device-type", device_type,
+               "--error-file", self.error_file(rank), "--parent-pid", str(os.getpid())]
+        logger.info("fastgen: starting tensor-parallel worker rank %d", rank)
+        # Own session: a Ctrl-C in the user's terminal reaches rank 0, which then stops the workers.
+        return subprocess.Popen(cmd, start_new_session=True)
+
+    def error_file(self, rank: int) -> str:
+        """Where worker `rank` writes its error before exiting."""
+        return os.path.join(self._error_dir, f"rank{rank}.err")
+
+    def send_spec(self, spec: WorkerSpec) -> None:
+        """Tell every worker what to build."""
+        self._guard(lambda: self.channel.broadcast_spec(spec))
+
+    def broadcast_step(self, host: HostStepInputs) -> None:
+        """Send a step to every worker (before rank 0 runs it)."""
+        self._guard(lambda: self.channel.send_step(host))
+
+    def _guard(self, send) -> None:
+        self.check_alive()
+        try:
+            send()
+        except Exception as exc:
+            raise self.failure(exc) from exc
+
+    def check_alive(self) -> None:
+        """Raise `TensorParallelError` if a worker has died (or an earlier failure stopped the group)."""
+        if self._failure is not None:
+            raise self._failure
+        for rank, proc in self.workers.items():
+            if proc.poll() is not None:
+                raise self.failure(None)
+
+    def failure(self, exc: BaseException | None) -> TensorParallelError:
+        """The error that describes why the group failed (remembered: later steps raise it too)."""
+        if self._failure is not None:
+            return self._failure
+        dead = {}
+        for rank, proc in self.workers.items():
+            try:
+                code = proc.wait(timeout=2) if exc is not None else proc.poll()
+            except subprocess.TimeoutExpired:
+                code = None
+            if code is not None:
+                dead[rank] = code
+        if dead:
+            parts = []
+            for rank, code in sorted(dead.items()):
+                detail = self._last_error(rank)
+                parts.append(f"rank {rank} (pid {self.workers[rank].pid}) {_describe_exit(code)}"
+                             + (f": {detail}" if detail else ""))
+            message = "tensor-parallel worker " + "; ".join(parts)
+        else:
+            message = f"a tensor-parallel collective failed: {exc}"
+        self._failure = TensorParallelError(message + " (the engine is stopped; create a new one)")
+        return self._failure
+
+    def _last_error(self, rank: int) -> str:
+        try:
+            with open(self.error_file(rank), encoding="utf-8") as f:
+                lines = [line.strip() for line in f if line.strip()]
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
+    def shutdown(self) -> None:
+        """Stop the workers (politely if the group still works) and leave the process group."""
+        if self._failure is None:
+            try:
+                self.check_alive()
+                self.channel.send_shutdown()
+            except Exception as exc:
+                logger.warning("fastgen: tensor-parallel shutdown message failed: %s", exc)
+        for proc in self.workers.values():
+            try:
+                proc.wait(timeout=10 if self._failure is None else 0.1)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_workers()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _kill_workers(self) -> None:
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,101 @@
+"""A tensor-parallel rank other than 0: load this rank's shard, then run every step rank 0 sends.
+
+Started by rank 0 as `python -m fastgen.tp_worker --rank R ...` (see `distributed.py`), or entered
+from `fastgen.pipeline` / `scripts/serve.py` on ranks > 0 of a `torchrun` launch. The worker builds
+the same `ModelRunner` as rank 0 (same buckets, same warm-up order, so the collectives of
+compilation and capture line up) and never samples: its share of the logits goes to rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from fastgen.distributed import (COLLECTIVE_TIMEOUT_S, StepChannel, TorchrunEnv, backend_for, metadata_group,
+                                 rank_device)
+from fastgen.model_runner import ModelRunner
+from fastgen.models.loader import load_model
+from fastgen.models.parallel import TensorParallel
+
+logger = logging.getLogger("fastgen")
+
+
+def serve_rank(rank: int, world_size: int, device_type: str, env: TorchrunEnv | None) -> None:
+    """Run rank `rank` (> 0) until rank 0 says stop. The default process group must already exist."""
+    channel = StepChannel(metadata_group(device_type))
+    spec = channel.broadcast_spec(None)
+    torch.set_num_threads(spec.num_threads)
+    device = rank_device(spec.device_type, spec.device_index, rank, env)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    parallel = TensorParallel(rank=rank, size=world_size, group=dist.group.WORLD)
+    loaded = load_model(spec.model_dir, dtype=spec.dtype, device=device, progress=False, parallel=parallel)
+    runner = ModelRunner(
+        loaded.model, loaded.config, spec.num_blocks, spec.block_size, device, spec.dtype,
+        attention_backend=spec.attention_backend, buckets=spec.buckets, max_seqs=spec.max_seqs,
+        max_model_len=spec.max_model_len, compile=spec.compile, cuda_graphs=spec.cuda_graphs, progress=False,
+    )
+    while (host := channel.receive()) is not None:
+        runner.execute(host)
+
+
+def serve_torchrun_rank(env: TorchrunEnv, device_type: str) -> None:
+    """Ranks > 0 of a torchrun launch: join the group, serve rank 0, leave when it stops."""
+    backend = backend_for(device_type)
+    dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        serve_rank(env.rank, env.world_size, device_type, env)
+    finally:
+        dist.destroy_process_group()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Stop this worker when rank 0's process is gone, even if no collective is pending to notice it."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of a worker started by rank 0."""
+    parser = argparse.ArgumentParser(description="fastgen tensor-parallel worker (started by rank 0)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--device-type", required=True)
+    parser.add_argument("--error-file", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
+    logging.basicConfig(level=logging.WARNING, format=f"[fastgen rank {args.rank}] %(message)s")
+    try:
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", args.store_port, args.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world_size,
+                                timeout=timeout)
+        serve_rank(args.rank, args.world_size, args.device_type, None)
+    except BaseException as exc:
+        with open(args.error_file, "w", encoding="utf-8") as f:
+            f.write(traceback.format_exc())
+            f.write(f"\n{type(exc).__name__}: {exc}\n")
+        traceback.print_exc()
+        return 1
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
