@@ -8,11 +8,11 @@
 
 from typing import TYPE_CHECKING, Any
 
-from fastgen.api import Pipeline, pipeline
+from fastgen.api import Pipeline, pipeline, serve_torchrun_rank
 from fastgen.config import EngineConfig
 from fastgen.engine import DEMO_MODEL_DIR, Engine
 from fastgen.outputs import Response
-from fastgen.policy import explain
+from fastgen.policy import explain, plan_deployment
 from fastgen.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the serving stack (grpc) is imported only when serve()/client() is called
@@ -40,4 +40,4 @@ def client(deployment_name_or_address: str, *, asynchronous: bool = False) -> "C
     return _client(deployment_name_or_address, asynchronous=asynchronous)
 
 
-__all__ = ["DEMO_MODEL_DIR", "Engine", "EngineConfig", "Pipeline", "Response", "SamplingParams", "explain", "pipeline", "client", "serve"]
+__all__ = ["DEMO_MODEL_DIR", "Engine", "EngineConfig", "Pipeline", "Response", "SamplingParams", "explain", "plan_deployment", "pipeline", "client", "serve", "serve_torchrun_rank"]

@@ -6,7 +6,10 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any, Sequence as Seq
 
+import torch
+
 from fastgen.config import EngineConfig
+from fastgen.distributed import torchrun_env
 from fastgen.engine import Engine
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
@@ -40,10 +43,15 @@ def normalise_prompts(prompts: Prompts) -> list[str | list[int]]:
 
 
 class Pipeline:
-    """A loaded engine you call with prompts; `destroy()` frees it."""
+    """A loaded engine you call with prompts; `destroy()` frees it.
 
-    def __init__(self, engine: Engine) -> None:
+    Under `torchrun`, only rank 0 holds an engine; on the other ranks `pipeline()` returns a
+    Pipeline with `is_rank_0` False once rank 0 has finished (MII's `if pipe.is_rank_0:` pattern).
+    """
+
+    def __init__(self, engine: Engine | None, rank: int = 0) -> None:
         self._engine: Engine | None = engine
+        self.rank = rank
         # Whoever steps the engine (a call, or any of several open streams) routes each open
         # stream's deltas here, so interleaved streams and calls never lose each other's text.
         self._inboxes: dict[str, deque[Response]] = {}
@@ -51,9 +59,17 @@ class Pipeline:
     @property
     def engine(self) -> Engine:
         """The engine; raises once the pipeline is destroyed."""
+        if self.rank != 0:
+            raise RuntimeError(f"this process is tensor-parallel rank {self.rank} of a torchrun launch: only rank 0 "
+                               "generates (guard generation with `if pipe.is_rank_0:`)")
         if self._engine is None:
             raise RuntimeError("this pipeline was destroyed; create a new one with fastgen.pipeline()")
         return self._engine
+
+    @property
+    def is_rank_0(self) -> bool:
+        """True where generation happens: always, except on torchrun ranks > 0."""
+        return self.rank == 0
 
     @property
     def tokenizer(self):
@@ -141,6 +157,27 @@ def pipeline(model_name_or_path: str | None = None, **config: Any) -> Pipeline:
     """Load a model (None = the bundled demo model) and return a callable `Pipeline`.
 
     Keywords are `EngineConfig` fields (`dtype`, `device`, `max_length`, `token_budget`, `max_seqs`,
-    `block_size`, `num_kv_blocks`, `kv_cache_memory`, `enable_prefix_caching`, `seed`, ...).
+    `block_size`, `num_kv_blocks`, `kv_cache_memory`, `enable_prefix_caching`, `tensor_parallel`,
+    `seed`, ...). On a torchrun rank > 0 this serves rank 0's engine and returns when rank 0 destroys
+    its pipeline or exits.
     """
-    return Pipeline(Engine(EngineConfig.from_kwargs(model_name_or_path, **config)))
+    engine_config = EngineConfig.from_kwargs(model_name_or_path, **config)
+    launch = torchrun_env()
+    if launch is not None and launch.rank > 0:
+        serve_torchrun_rank(engine_config.device)
+        return Pipeline(None, rank=launch.rank)
+    return Pipeline(Engine(engine_config))
+
+
+def serve_torchrun_rank(device: str | None = None) -> bool:
+    """On a torchrun rank > 0: serve rank 0's engine (its share of every step) until rank 0 stops, then
+    return True. Anywhere else return False at once. `pipeline()` and `scripts/serve.py` call this."""
+    launch = torchrun_env()
+    if launch is None or launch.rank == 0:
+        return False
+    # Imported here: `python -m fastgen.tp_worker` must not find the module already imported by fastgen.
+    from fastgen.tp_worker import serve_torchrun_rank as serve_torchrun_worker
+
+    device_type = torch.device(device).type if device else ("cuda" if torch.cuda.is_available() else "cpu")
+    serve_torchrun_worker(launch, device_type)
+    return True

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -309,6 +310,7 @@ class TensorParallelGroup:
             except subprocess.TimeoutExpired:
                 pass
         self._kill_workers()
+        shutil.rmtree(self._error_dir, ignore_errors=True)
         if dist.is_initialized():
             dist.destroy_process_group()
 

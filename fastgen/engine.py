@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from typing import Sequence as Seq
 
 import torch
@@ -39,6 +40,12 @@ logger = logging.getLogger("fastgen")
 
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
 """The small Llama-architecture model shipped inside the package (used when no model is named)."""
+
+
+def _stop_group(group: TensorParallelGroup, num_threads: int) -> None:
+    """Stop a tensor-parallel group and give this process back the CPU threads it had before."""
+    group.shutdown()
+    torch.set_num_threads(num_threads)
 
 
 class Engine:
@@ -70,11 +77,13 @@ class Engine:
             check_tensor_parallel_support(self.model_config.model_type)
             self.tp_group = TensorParallelGroup(plan.tensor_parallel, self.device.type, self.device.index or 0)
             self.model_config.parallel = self.tp_group.parallel
+            # A script that never calls destroy() still stops its workers (torchrun ranks included) at exit.
+            self._stop_workers = weakref.finalize(self, _stop_group, self.tp_group, torch.get_num_threads())
         try:
             self._build(config, plan)
         except BaseException:
             if self.tp_group is not None:
-                self.tp_group.shutdown()
+                self._stop_workers()
             raise
         logger.info("fastgen engine: %s on %s, %s, %d KV blocks of %d tokens, max_model_len %d, tensor_parallel %d",
                     self.model_dir, self.device, self.dtype, self.block_manager.num_blocks, self.block_size,
@@ -371,7 +380,7 @@ class Engine:
             self.abort(request_id)
         self.runner = None
         if self.tp_group is not None:
-            self.tp_group.shutdown()
+            self._stop_workers()
             self.tp_group = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

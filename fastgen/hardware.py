@@ -54,6 +54,9 @@ class Hardware:
     """The CUDA devices the deployment may use (empty on a CPU machine)."""
     matmul_gflops: dict[str, float] = field(default_factory=dict)
     """CPU matmul rates measured here, dtype name -> GFLOP/s; empty = use the documented figures."""
+    nodes: int = 1
+    """Machines of a multi-node torchrun launch (WORLD_SIZE / LOCAL_WORLD_SIZE), each with `gpus`;
+    tensor-parallel ranks may span them."""
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cpu", "cuda"):
@@ -92,7 +95,16 @@ def detect_hardware(device: str | torch.device | None = None, measure: bool = Fa
         ram_available=_ram_available(),
         gpus=gpus,
         matmul_gflops=measure_cpu_matmul() if measure else {},
+        nodes=_torchrun_nodes(),
     )
+
+
+def _torchrun_nodes() -> int:
+    """Machines in the torchrun launch this process belongs to (1 when not launched by torchrun)."""
+    try:
+        return max(1, int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError, ZeroDivisionError):
+        return 1
 
 
 def measure_cpu_matmul(seconds: float = 0.25) -> dict[str, float]:

@@ -84,7 +84,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
     if "tensor_parallel" in user:
         _check_fits(model, hardware, dtype, tp, reserve(tp))
     replicas = pick("replica_num", lambda: _choose_replicas(hardware, tp))
-    if not cpu and tp * replicas > hardware.gpu_count:
+    if not cpu and tp * replicas > hardware.gpu_count * hardware.nodes:
         raise ValueError(f"tensor_parallel {tp} x replica_num {replicas} needs {tp * replicas} GPUs; "
                          f"this machine has {hardware.gpu_count}")
     kv_room = _kv_room(model, hardware, dtype, tp, reserve(tp))
@@ -253,14 +253,15 @@ def _choose_tensor_parallel(model: ModelFacts, hw: Hardware, dtype: torch.dtype,
 
 
 def _choose_replicas(hw: Hardware, tp: int) -> tuple[int, str]:
-    """One replica (MII's default); the reason says how many the GPUs would hold."""
+    """Every GPU busy: as many replicas of `tp` GPUs as the machine holds (a small model on many GPUs
+    scales by replicas, which need no communication, rather than by more ranks)."""
     if hw.device_type == "cpu":
         return 1, f"one replica already uses all {hw.cpu_cores} cores"
-    fit = hw.gpu_count // tp
+    fit = max(1, hw.gpu_count // tp)
     if fit == 1:
-        return 1, f"MII's default; at TP {tp} one replica already takes {tp} of the {hw.gpu_count} GPU(s)"
-    return 1, (f"MII's default; {hw.gpu_count} GPUs / TP {tp} would hold {fit} replicas: "
-               f"pass replica_num={fit} for up to {fit}x throughput")
+        return 1, f"at TP {tp} one replica already takes {tp} of the {hw.gpu_count} GPU(s)"
+    return fit, (f"{hw.gpu_count} GPUs / TP {tp} = {fit} replicas behind fastgen.serve's load balancer, "
+                 "no communication between them (a pipeline runs one; pass replica_num=1 for MII's default)")
 
 
 def _choose_kv_memory(model: ModelFacts, hw: Hardware, dtype: torch.dtype, tp: int, room: int,
@@ -308,8 +309,9 @@ def _check_overrides_fit_hardware(user: dict[str, Any], model: ModelFacts, hw: H
             raise ValueError(f"dtype bfloat16 needs compute capability >= 8.0; this GPU is {cc[0]}.{cc[1]}. Use float16")
     tp = user.get("tensor_parallel")
     if tp is not None:
-        if not cpu and tp > hw.gpu_count:
-            raise ValueError(f"tensor_parallel {tp} is larger than the {hw.gpu_count} GPU(s) here")
+        if not cpu and tp > hw.gpu_count * hw.nodes:
+            raise ValueError(f"tensor_parallel {tp} is larger than the {hw.gpu_count * hw.nodes} GPU(s) here"
+                             + (f" ({hw.nodes} machines)" if hw.nodes > 1 else ""))
         if cpu and tp > hw.cpu_cores:
             raise ValueError(f"tensor_parallel {tp} is larger than the {hw.cpu_cores} CPU cores here")
         if not _divides_heads(model, tp):
@@ -373,6 +375,11 @@ def _cpu_gflops(hw: Hardware, dtype_name: str) -> float:
     elif "avx512_fp16" in hw.cpu_flags:
         per_core["float16"] = per_core["float32"]  # measured on such a host: fp16 ~ fp32, bf16 ~3-5x faster
     return per_core[dtype_name] * hw.cpu_cores
+
+
+def plan_deployment(model_name_or_path: str, device: str | None = None, **overrides: Any) -> Plan:
+    """The plan for `model_name_or_path` on this machine (`device` as in `pipeline`), without printing."""
+    return make_plan(model_facts(model_name_or_path), detect_hardware(device), **overrides)
 
 
 def explain(model_name_or_path: str, *, hardware: Hardware | None = None, **overrides: Any) -> Plan:

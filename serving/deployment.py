@@ -25,7 +25,7 @@ from fastgen.serving.processes import check_port_free, connect_host, stop_proces
 
 SERVE_OPTIONS = {
     # MII's names (max_length is an EngineConfig field, handled with the engine options).
-    "deployment_name": None, "tensor_parallel": 1, "replica_num": 1, "port_number": DEFAULT_PORT,
+    "deployment_name": None, "tensor_parallel": None, "replica_num": None, "port_number": DEFAULT_PORT,
     "enable_restful_api": False, "restful_api_host": None, "restful_api_port": DEFAULT_REST_PORT, "device_map": None,
     # fastgen's own.
     "host": "0.0.0.0", "api_key": None, "startup_timeout": 600.0,
@@ -68,7 +68,10 @@ def _split_options(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
 def _launcher_argv(model: str | None, name: str, options: dict[str, Any], engine: dict[str, Any]) -> list[str]:
     argv = [sys.executable, "-m", "fastgen.serving.launcher", "--host", options["host"],
             "--port", str(options["port_number"]), "--deployment-name", name,
-            "--replica-num", str(options["replica_num"]), "--startup-timeout", str(options["startup_timeout"])]
+            "--startup-timeout", str(options["startup_timeout"])]
+    for name in ("tensor_parallel", "replica_num"):
+        if options[name] is not None:
+            argv += ["--" + name.replace("_", "-"), str(options[name])]
     if model is not None:
         argv += ["--model", model]
     if options["enable_restful_api"]:
@@ -84,22 +87,21 @@ def serve(model_name_or_path: str | None = None, **config: Any) -> Client:
     """Start a deployment of `model_name_or_path` (None = the bundled demo model); return its client.
 
     Options: MII's `deployment_name` (default `<model basename>-mii-deployment`), `tensor_parallel`
-    (1 only, for now), `replica_num`, `max_length`, `port_number` (50050), `enable_restful_api`,
-    `restful_api_host`, `restful_api_port` (51080), `device_map` ("auto" or None); fastgen's
+    (ranks per replica; each replica starts its other ranks itself), `replica_num` (both default to
+    the policy's choice, see `fastgen.plan_deployment`), `max_length`, `port_number` (50050),
+    `enable_restful_api`, `restful_api_host`, `restful_api_port` (51080), `device_map` ("auto" or None); fastgen's
     `host` (gRPC listen address, default all interfaces), `api_key` (REST bearer key),
     `startup_timeout` (seconds, default 600); and every `EngineConfig` field (`dtype`, `device`,
     `token_budget`, `num_kv_blocks`, ...). Unknown options raise TypeError, bad values
     ValueError/TypeError, all before anything starts.
     """
     options, engine = _split_options(config)
-    tp = _int_option("tensor_parallel", options["tensor_parallel"], 1)
-    if tp != 1:
-        raise NotImplementedError(f"tensor_parallel={tp}: tensor parallelism lands with issue 8; "
-                                  "only 1 is supported now")
+    for name in ("tensor_parallel", "replica_num"):
+        if options[name] is not None:  # None: the policy chooses (fastgen.plan_deployment says how)
+            _int_option(name, options[name], 1)
     if options["device_map"] not in (None, "auto"):
         raise NotImplementedError(f"device_map={options['device_map']!r}: only 'auto' (or None) is supported; "
                                   "choose the device with device='cuda:1' and so on")
-    _int_option("replica_num", options["replica_num"], 1)
     port = _int_option("port_number", options["port_number"], 1, 65535)
     _int_option("restful_api_port", options["restful_api_port"], 1, 65535)
     timeout = options["startup_timeout"]

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 
 import fastgen
 from fastgen.config import EngineConfig
+from fastgen.distributed import torchrun_env
 from fastgen.engine import DEMO_MODEL_DIR, Engine
 from fastgen.engine_loop import EngineLoop
 from fastgen.serving import registry
@@ -130,8 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default: {DEFAULT_PORT})")
     parser.add_argument("--deployment-name", default=None,
                         help="name clients use (default: <model basename>-mii-deployment)")
-    parser.add_argument("--tensor-parallel", type=int, default=1, help="GPUs per replica (only 1 for now)")
-    parser.add_argument("--replica-num", type=int, default=1, help="engine processes behind a load balancer")
+    parser.add_argument("--tensor-parallel", type=int, default=None,
+                        help="ranks per replica, one GPU each (default: the policy's choice; WORLD_SIZE under torchrun)")
+    parser.add_argument("--replica-num", type=int, default=None,
+                        help="engine processes behind a load balancer (default: the policy's choice, "
+                             "one per tensor_parallel GPUs; 1 on a CPU)")
     parser.add_argument("--enable-restful-api", action="store_true", help="also serve REST (/mii/, OpenAI API)")
     parser.add_argument("--restful-api-host", default=None, help="REST listen address (default: --host)")
     parser.add_argument("--restful-api-port", type=int, default=DEFAULT_REST_PORT,
@@ -151,19 +155,18 @@ def default_deployment_name(model: str | None) -> str:
 
 
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
-    if args.tensor_parallel != 1:
-        parser.error(f"--tensor-parallel {args.tensor_parallel}: tensor parallelism lands with issue 8; "
-                     "only 1 is supported now")
-    if args.replica_num < 1:
+    if args.tensor_parallel is not None and args.tensor_parallel < 1:
+        parser.error(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    if args.replica_num is not None and args.replica_num < 1:
         parser.error(f"--replica-num must be >= 1, got {args.replica_num}")
-    if args.replica_of is not None and args.replica_num != 1:
+    if args.replica_of is not None and args.replica_num not in (None, 1):
         parser.error("a replica cannot have replicas")
     if not 0 <= args.port <= 65535 or not 0 <= args.restful_api_port <= 65535:
         parser.error("ports must be in [0, 65535]")
     try:
         registry.check_name(args.deployment_name)
         options = {f.name: getattr(args, f.name) for f in _engine_fields() if getattr(args, f.name) is not None}
-        return EngineConfig.from_kwargs(args.model, **options)
+        return EngineConfig.from_kwargs(args.model, tensor_parallel=args.tensor_parallel, **options)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
 
@@ -211,6 +214,17 @@ class _RestThread:
         self._thread.join(10)
 
 
+def _planned_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
+    """The policy's replica count; 1 for a replica itself and for a torchrun launch (its ranks are its GPUs)."""
+    if args.replica_of is not None or torchrun_env() is not None:
+        return 1
+    overrides = {k: v for k, v in config.plan_overrides().items() if k != "replica_num"}
+    plan = fastgen.plan_deployment(config.model or DEMO_MODEL_DIR, config.device, **overrides)
+    if plan.replica_num > 1:
+        logger.info("replicas: %d (%s)", plan.replica_num, plan.reasons["replica_num"])
+    return plan.replica_num
+
+
 def _load_backend(args: argparse.Namespace, config: EngineConfig, server: GrpcServer,
                   stop: threading.Event) -> Backend:
     if args.replica_num == 1:
@@ -218,13 +232,18 @@ def _load_backend(args: argparse.Namespace, config: EngineConfig, server: GrpcSe
         return LocalBackend(loop, args.deployment_name)
     options = {f.name: getattr(config, f.name) for f in _engine_fields()}
     devices: list[str | None] = [config.device] * args.replica_num
+    tp = args.tensor_parallel or 1
     if config.device is None:
         gpus = torch.cuda.device_count()
         if gpus > 1:
-            devices = [f"cuda:{i % gpus}" for i in range(args.replica_num)]
-    replicas = start_replicas(args.replica_num, ["--model", config.model or DEMO_MODEL_DIR, *engine_argv(
-        {k: v for k, v in options.items() if k != "device"})], args.deployment_name, devices=devices,
-        timeout=args.startup_timeout, should_stop=stop.is_set)
+            # Replica i's ranks take GPUs i*tp .. i*tp+tp-1 (its rank r uses its first GPU + r).
+            devices = [f"cuda:{(i * tp) % gpus}" for i in range(args.replica_num)]
+    launcher_args = ["--model", config.model or DEMO_MODEL_DIR, *engine_argv(
+        {k: v for k, v in options.items() if k != "device"})]
+    if args.tensor_parallel is not None:
+        launcher_args += ["--tensor-parallel", str(args.tensor_parallel)]
+    replicas = start_replicas(args.replica_num, launcher_args, args.deployment_name, devices=devices,
+                              timeout=args.startup_timeout, should_stop=stop.is_set)
     info = replicas[0].stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
     return ReplicaRouter(replicas, AutoTokenizer.from_pretrained(info.model_dir), report=server.set_health,
                          on_all_down=stop.set)
@@ -234,9 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run a deployment until SIGINT/SIGTERM/Terminate; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if fastgen.serve_torchrun_rank(args.device):
+        return 0  # a torchrun rank > 0: it served rank 0's engine, which owns the gRPC server
     if args.deployment_name is None:
         args.deployment_name = default_deployment_name(args.model)
     config = _validate(parser, args)
+    if args.replica_num is None:
+        args.replica_num = _planned_replicas(args, config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     role = f"replica of pid {args.replica_of}" if args.replica_of is not None else "deployment"
     logger.info("fastgen %s %s %r: %s", fastgen.__version__, role, args.deployment_name, config)

@@ -77,7 +77,8 @@ def test_static_buffers_pad_and_clear_stale_columns():
     (dict(buckets=[0, 4]), "buckets must be"),
     (dict(cuda_graphs="yes"), "cuda_graphs must be a bool"),
     (dict(token_budget=0), "token_budget must be positive"),
-    (dict(tensor_parallel=2), "tensor_parallel > 1 is not implemented"),
+    (dict(tensor_parallel=0), "tensor_parallel must be a positive int"),
+    (dict(tensor_parallel=3), "tensor_parallel 3 (is larger than|must divide)"),
 ])
 def test_bad_compile_options(options, message, tiny_checkpoints):
     with pytest.raises((ValueError, TypeError, NotImplementedError), match=message):

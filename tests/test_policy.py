@@ -236,17 +236,28 @@ def test_70b_on_8_h100_picks_smallest_fitting_tensor_parallel(models):
     _check_consistent(plan)
     # 131 GiB x 1.2 / 2 = 79 GiB > 71 GiB usable on each: TP=2 does not fit, TP=4 does.
     assert plan.tensor_parallel == 4 and "TP=2" in plan.reasons["tensor_parallel"]
-    assert plan.replica_num == 1 and "replica_num=2" in plan.reasons["replica_num"]
-    assert make_plan(models["70b"], _gpus(*[H100] * 8), replica_num=2).replica_num == 2
+    # The other four GPUs hold a second replica.
+    assert plan.replica_num == 2 and "8 GPUs / TP 4 = 2 replicas" in plan.reasons["replica_num"]
+    assert make_plan(models["70b"], _gpus(*[H100] * 8), replica_num=1).replica_num == 1
     with pytest.raises(ValueError, match="needs 12 GPUs"):
         make_plan(models["70b"], _gpus(*[H100] * 8), replica_num=3)
 
 
-def test_1b_on_8_h100_says_how_many_replicas_fit(models):
+def test_small_model_on_many_gpus_gets_replicas_not_tensor_parallel(models):
     plan = make_plan(models["1b"], _gpus(*[H100] * 8))
-    assert (plan.tensor_parallel, plan.replica_num) == (1, 1)
-    assert "replica_num=8" in plan.reasons["replica_num"]
-    assert make_plan(models["1b"], _gpus(*[H100] * 8), replica_num=8).replica_num == 8
+    assert (plan.tensor_parallel, plan.replica_num) == (1, 8)
+    assert "8 replicas" in plan.reasons["replica_num"] and "fit one GPU" in plan.reasons["tensor_parallel"]
+    assert make_plan(models["1b"], _gpus(*[H100] * 8), replica_num=1).replica_num == 1
+    # A TP override leaves the rest of the GPUs to replicas.
+    assert make_plan(models["1b"], _gpus(*[H100] * 8), tensor_parallel=2).replica_num == 4
+
+
+def test_tensor_parallel_may_span_the_machines_of_a_torchrun_launch(models):
+    two_nodes = _gpus(*[H100] * 8)
+    two_nodes.nodes = 2
+    assert make_plan(models["70b"], two_nodes, tensor_parallel=16).tensor_parallel == 16
+    with pytest.raises(ValueError, match="larger than the 8 GPU"):
+        make_plan(models["70b"], _gpus(*[H100] * 8), tensor_parallel=16)
 
 
 def test_model_too_large_for_every_gpu_is_a_clear_error(models):

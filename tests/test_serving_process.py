@@ -74,8 +74,8 @@ def test_serve_client_terminate_and_start_errors(tiny_checkpoints, tmp_path):
             fastgen.serve(path, deployment_name="tiny-a", host="127.0.0.1", port_number=_free_port(), **ENGINE)
         with pytest.raises(TypeError, match="unknown serve option.*'bogus'"):
             fastgen.serve(path, bogus=1)
-        with pytest.raises(NotImplementedError, match="issue 8"):
-            fastgen.serve(path, tensor_parallel=2)
+        with pytest.raises(ValueError, match="tensor_parallel must be in"):
+            fastgen.serve(path, tensor_parallel=0)
         with pytest.raises(NotImplementedError, match="device_map"):
             fastgen.serve(path, device_map="balanced")
         with pytest.raises(ValueError, match="max_length"):

@@ -1,0 +1,199 @@
+"""Tensor parallelism on the CPU over gloo: two ranks must generate Hugging Face's greedy tokens.
+
+The engine runs as rank 0 in this process and starts rank 1 as a worker process; the parity
+workload is the engine parity test's (34 prompts of 1..64 tokens, chunked by a 16-token budget,
+preempted by a 40-block cache, a shared prefix hitting the prefix cache).
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import transformers
+
+import fastgen
+from fastgen.distributed import TensorParallelError, pack_step, unpack_step
+from fastgen.models.loader import load_model
+from fastgen.models.parallel import TensorParallel
+from fastgen.step_inputs import HostStepInputs
+from kit import build_checkpoint
+from test_engine_parity import NUM_NEW, TOKEN_BUDGET, _workload
+
+GREEDY = dict(do_sample=False, max_new_tokens=NUM_NEW, ignore_eos=True)
+PRESSURE = dict(num_kv_blocks=40, block_size=4, token_budget=TOKEN_BUDGET, max_seqs=8, progress=False)
+
+
+def _hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int = NUM_NEW) -> list[list[int]]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    out = []
+    for prompt in prompts:
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+def _worker_processes() -> list[int]:
+    """Pids of live tensor-parallel worker processes started by this test process."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", encoding="ascii") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"fastgen.tp_worker" in cmd and f"{os.getpid()}".encode() in cmd and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+# Llama family (llama; mistral with one KV head copied to both ranks; qwen2 tied + biases; qwen3
+# q/k norms and explicit head_dim) and both MoE layouts (mixtral; qwen2_moe with a shared expert
+# and a dense layer).
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"])
+def test_tp2_pipeline_equals_hf_greedy_under_pressure(model_type, tiny_checkpoints):
+    path = tiny_checkpoints[model_type]
+    pipe = fastgen.pipeline(path, tensor_parallel=2, **PRESSURE)
+    try:
+        assert pipe.engine.plan.tensor_parallel == 2 and len(pipe.engine.tp_group.workers) == 1
+        prompts = _workload(pipe.tokenizer)
+        responses = pipe(prompts, **GREEDY)
+        assert pipe.engine.block_manager.num_free_blocks == 40
+    finally:
+        pipe.destroy()
+    assert [r.token_ids for r in responses] == _hf_greedy(path, prompts)
+    assert not _worker_processes()
+
+
+def test_vocab_not_divisible_by_ranks_is_padded(tmp_path):
+    path = build_checkpoint(str(tmp_path / "odd"), "llama", vocab_size=509)
+    prompts = [[5 + i % 500 for i in range(n)] for n in (1, 4, 17, 30)]
+    with fastgen.pipeline(path, tensor_parallel=2, progress=False) as pipe:
+        got = [r.token_ids for r in pipe(prompts, do_sample=False, max_new_tokens=12, ignore_eos=True)]
+    assert got == _hf_greedy(path, prompts, 12)
+
+
+def test_tp2_compiled_step_equals_hf(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    prompts = [[7 + i for i in range(n)] for n in (1, 3, 9, 21)]
+    with fastgen.pipeline(path, tensor_parallel=2, compile="default", buckets=(16,), token_budget=16,
+                          progress=False) as pipe:
+        got = [r.token_ids for r in pipe(prompts, do_sample=False, max_new_tokens=8, ignore_eos=True)]
+    assert got == _hf_greedy(path, prompts, 8)
+
+
+def test_killed_worker_is_a_clear_error_within_seconds(tiny_checkpoints):
+    pipe = fastgen.pipeline(tiny_checkpoints["llama"], tensor_parallel=2, progress=False)
+    worker = pipe.engine.tp_group.workers[1]
+    threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {worker.pid}\) was killed by SIGKILL"):
+        pipe([[5] * 30] * 16, do_sample=False, max_new_tokens=400, ignore_eos=True)
+    assert time.monotonic() - start < 10
+    assert not pipe.engine.requests, "the failed call aborted its requests"
+    with pytest.raises(TensorParallelError, match="rank 1"):
+        pipe("again", max_new_tokens=2)
+    pipe.destroy()
+    assert not _worker_processes()
+
+
+def test_tensor_parallel_refuses_what_it_cannot_split(tiny_checkpoints):
+    with pytest.raises(NotImplementedError, match="not implemented for 'gpt2'.*supported: llama"):
+        fastgen.pipeline(tiny_checkpoints["gpt2"], tensor_parallel=2, progress=False)
+    with pytest.raises(ValueError, match="tensor_parallel must be a positive int"):
+        fastgen.pipeline(tiny_checkpoints["llama"], tensor_parallel=0)
+    assert not _worker_processes()
+
+
+def test_serve_with_tensor_parallel_equals_hf(tiny_checkpoints):
+    path = tiny_checkpoints["qwen2"]
+    prompts = [[5, 6, 7], [11] * 20]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = fastgen.serve(path, tensor_parallel=2, deployment_name="tp-test", host="127.0.0.1", port_number=port,
+                           progress=False)
+    try:
+        got = [r.token_ids for r in client(prompts, do_sample=False, max_new_tokens=10, ignore_eos=True)]
+    finally:
+        client.terminate_server(timeout=30)
+    assert got == _hf_greedy(path, prompts, 10)
+
+
+def test_torchrun_launch_serves_rank_0(tiny_checkpoints, tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import fastgen, json, sys\n"
+        "pipe = fastgen.pipeline(sys.argv[1], progress=False)\n"
+        "if pipe.is_rank_0:\n"
+        "    out = pipe([[5, 6, 7], [9] * 20], do_sample=False, max_new_tokens=8, ignore_eos=True)\n"
+        "    print('RESULT', json.dumps([r.token_ids for r in out]), pipe.engine.plan.tensor_parallel)\n"
+        "else:\n"
+        "    print('RANK', pipe.rank, 'returned')\n")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out = subprocess.run([torchrun, "--nproc-per-node", "2", str(script), tiny_checkpoints["llama"]],
+                         capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    tokens, tp = result.split(" ", 1)[1].rsplit(" ", 1)
+    assert tp == "2" and "RANK 1 returned" in out.stdout
+    assert __import__("json").loads(tokens) == _hf_greedy(tiny_checkpoints["llama"], [[5, 6, 7], [9] * 20], 8)
+
+
+def test_step_inputs_survive_the_broadcast_encoding():
+    host = HostStepInputs([3, 4, 5, 6], [0, 1, 7, 2], [8, 9, 30, 2], [2, 8, 3], [0, 2, 3, 4],
+                          [[1], [3, 4, 5], [0]], [1, 2, 3])
+    header, payload = pack_step(host)
+    assert unpack_step(header.tolist(), payload) == HostStepInputs(
+        host.input_ids, host.positions, host.slot_mapping, host.seq_lens, host.query_start_loc,
+        [[1, 0, 0], [3, 4, 5], [0, 0, 0]], host.logits_indices)
+
+
+def test_each_rank_loads_only_its_slice(tiny_checkpoints):
+    """Shards from the loader (no collectives run) against the full weights: q heads split, KV heads
+    split at TP=2 and copied at TP=4 (2 KV heads), o_proj columns split, vocabulary rows split."""
+    path = tiny_checkpoints["llama"]
+    full = dict(load_model(path, progress=False).model.named_parameters())
+    for size in (2, 4):
+        for rank in range(size):
+            tp = TensorParallel(rank=rank, size=size, group=object())  # loading runs no collective
+            shard = dict(load_model(path, progress=False, parallel=tp).model.named_parameters())
+            head_dim, q_heads = 16, 4 // size
+            qkv, qkv_full = shard["model.layers.0.self_attn.qkv_proj.weight"], full["model.layers.0.self_attn.qkv_proj.weight"]
+            q_rows = q_heads * head_dim
+            torch.testing.assert_close(qkv[:q_rows], qkv_full[rank * q_rows:(rank + 1) * q_rows], rtol=0, atol=0)
+            kv_head = rank if size == 2 else rank // 2
+            k_full = qkv_full[64 + kv_head * head_dim: 64 + (kv_head + 1) * head_dim]
+            torch.testing.assert_close(qkv[q_rows:q_rows + head_dim], k_full, rtol=0, atol=0)
+            o, o_full = shard["model.layers.0.self_attn.o_proj.weight"], full["model.layers.0.self_attn.o_proj.weight"]
+            torch.testing.assert_close(o, o_full[:, rank * q_rows:(rank + 1) * q_rows], rtol=0, atol=0)
+            rows = 512 // size
+            torch.testing.assert_close(shard["model.embed_tokens.weight"],
+                                       full["model.embed_tokens.weight"][rank * rows:(rank + 1) * rows], rtol=0, atol=0)
+
+
+def test_fused_expert_stack_is_split_by_intermediate_columns():
+    from fastgen.models.moe import StackedExperts
+
+    full_gate_up = torch.randn(4, 2 * 6, 5)
+    full_down = torch.randn(4, 5, 6)
+    parts = [StackedExperts(4, 5, 6, "silu", TensorParallel(rank=r, size=2, group=object())) for r in range(2)]
+    gate_up = [p.load_checkpoint_shard("gate_up_proj", None, full_gate_up) for p in parts]
+    assert torch.equal(torch.cat([g[:, :3] for g in gate_up], dim=1), full_gate_up[:, :6])  # gate rows
+    assert torch.equal(torch.cat([g[:, 3:] for g in gate_up], dim=1), full_gate_up[:, 6:])  # up rows
+    assert torch.equal(torch.cat([p.load_checkpoint_shard("down_proj", None, full_down) for p in parts], dim=2),
+                       full_down)
+    with pytest.raises(ValueError, match="tensor_parallel 2 must divide the experts' intermediate size"):
+        StackedExperts(4, 5, 7, "silu", TensorParallel(rank=0, size=2, group=object()))
