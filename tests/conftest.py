@@ -1,4 +1,4 @@
-"""Shared fixtures: offline mode, the test-kit path, tiny checkpoints built once per session."""
+"""Shared fixtures: offline mode, the test-kit path, tiny checkpoints and HF references built once per session."""
 
 import os
 import sys
@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
 
-from kit import TINY_CONFIGS, build_checkpoint  # noqa: E402
+from kit import TINY_CONFIGS, build_checkpoint, hf_greedy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +20,18 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     """model_type -> directory of a tiny fp32 checkpoint with tokenizer (built once)."""
     root = tmp_path_factory.mktemp("tiny")
     return {mt: build_checkpoint(str(root / mt), mt) for mt in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """`reference(path, prompts, max_new_tokens)` -> HF's greedy (tokens, logprobs [new, vocab]) per
+    prompt, EOS off; computed once per session (HF generation dominates the parity tests' time)."""
+    cache = {}
+
+    def reference(path: str, prompts: list[list[int]], max_new_tokens: int):
+        key = (path, tuple(map(tuple, prompts)), max_new_tokens)
+        if key not in cache:
+            cache[key] = hf_greedy(path, prompts, max_new_tokens)
+        return cache[key]
+
+    return reference

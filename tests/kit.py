@@ -126,6 +126,21 @@ def build_checkpoint(path: str, model_type: str, seed: int = 0, **overrides) -> 
     return path
 
 
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """Hugging Face's greedy continuation of each prompt with EOS off: (token ids, fp32 log-probs
+    `[max_new_tokens, vocab]` of the model at each step)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    out = []
+    for prompt in prompts:
+        gen = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        logprobs = torch.log_softmax(torch.stack(gen.logits, dim=1)[0].float(), dim=-1)
+        out.append((gen.sequences[0, len(prompt):].tolist(), logprobs))
+    return out
+
+
 def rewrite_config(path: str, **changes) -> None:
     """Edit a saved config.json in place (None deletes a key)."""
     cfg_path = os.path.join(path, "config.json")

@@ -8,7 +8,6 @@ every output must equal HF's greedy tokens and the logprobs must be close to HF'
 import pydoc_data.topics
 import pytest
 import torch
-import transformers
 
 from fastgen import EngineConfig, SamplingParams
 from fastgen.engine import Engine
@@ -28,15 +27,8 @@ def _workload(tokenizer) -> list[list[int]]:
     return prompts
 
 
-def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False, output_logits=True,
-                      return_dict_in_generate=True, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    logprobs = torch.log_softmax(torch.stack(out.logits, dim=1)[0].float(), dim=-1)
-    return out.sequences[0, len(prompt):].tolist(), logprobs
-
-
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
-def test_engine_greedy_equals_hf_with_preemption_and_prefix_hits(model_type, tiny_checkpoints):
+def test_engine_greedy_equals_hf_with_preemption_and_prefix_hits(model_type, tiny_checkpoints, hf_reference):
     path = tiny_checkpoints[model_type]
     engine = Engine(EngineConfig(model=path, num_kv_blocks=40, block_size=4, token_budget=TOKEN_BUDGET,
                                  max_seqs=8, progress=False))
@@ -54,11 +46,7 @@ def test_engine_greedy_equals_hf_with_preemption_and_prefix_hits(model_type, tin
     assert sum(s.num_cached_prompt_tokens for s in seqs[-4:]) > 0, "the shared prefix was meant to hit the cache"
     assert engine.block_manager.num_free_blocks == 40
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    for prompt, seq in zip(prompts, seqs):
-        expected, hf_logprobs = _hf_greedy(hf, prompt)
+    for seq, (expected, hf_logprobs) in zip(seqs, hf_reference(path, prompts, NUM_NEW)):
         assert seq.output_token_ids == expected
         assert seq.finish_reason == "length"
         ours = torch.tensor([lp[tok] for lp, tok in zip(seq.logprobs, expected)])

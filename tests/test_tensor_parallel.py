@@ -15,30 +15,21 @@ import time
 
 import pytest
 import torch
-import transformers
 
 import fastgen
 from fastgen.distributed import TensorParallelError, pack_step, unpack_step
 from fastgen.models.loader import load_model
 from fastgen.models.parallel import TensorParallel
 from fastgen.step_inputs import HostStepInputs
-from kit import build_checkpoint
+from kit import build_checkpoint, hf_greedy
 from test_engine_parity import NUM_NEW, TOKEN_BUDGET, _workload
 
 GREEDY = dict(do_sample=False, max_new_tokens=NUM_NEW, ignore_eos=True)
 PRESSURE = dict(num_kv_blocks=40, block_size=4, token_budget=TOKEN_BUDGET, max_seqs=8, progress=False)
 
 
-def _hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int = NUM_NEW) -> list[list[int]]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    out = []
-    for prompt in prompts:
-        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        out.append(ids[0, len(prompt):].tolist())
-    return out
+def _hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    return [tokens for tokens, _ in hf_greedy(path, prompts, max_new_tokens)]
 
 
 def _worker_processes() -> list[int]:
@@ -63,7 +54,7 @@ def _worker_processes() -> list[int]:
 # q/k norms and explicit head_dim) and both MoE layouts (mixtral; qwen2_moe with a shared expert
 # and a dense layer).
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"])
-def test_tp2_pipeline_equals_hf_greedy_under_pressure(model_type, tiny_checkpoints):
+def test_tp2_pipeline_equals_hf_greedy_under_pressure(model_type, tiny_checkpoints, hf_reference):
     path = tiny_checkpoints[model_type]
     pipe = fastgen.pipeline(path, tensor_parallel=2, **PRESSURE)
     try:
@@ -73,7 +64,7 @@ def test_tp2_pipeline_equals_hf_greedy_under_pressure(model_type, tiny_checkpoin
         assert pipe.engine.block_manager.num_free_blocks == 40
     finally:
         pipe.destroy()
-    assert [r.token_ids for r in responses] == _hf_greedy(path, prompts)
+    assert [r.token_ids for r in responses] == [tokens for tokens, _ in hf_reference(path, prompts, NUM_NEW)]
     assert not _worker_processes()
 
 
