@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -207,6 +208,7 @@ class TensorParallelGroup:
         self.workers: dict[int, subprocess.Popen] = {}
         self._error_dir = tempfile.mkdtemp(prefix="fastgen-tp-")
         self._failure: TensorParallelError | None = None
+        self._closed = False
         backend = backend_for(device_type)
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         env = torchrun_env()
@@ -245,16 +247,25 @@ class TensorParallelGroup:
         """Tell every worker what to build."""
         self._guard(lambda: self.channel.broadcast_spec(spec))
 
-    def broadcast_step(self, host: HostStepInputs) -> None:
-        """Send a step to every worker (before rank 0 runs it)."""
-        self._guard(lambda: self.channel.send_step(host))
+    def run_step(self, host: HostStepInputs, execute: Callable[[HostStepInputs], torch.Tensor | None]):
+        """Send a step to every worker, then run rank 0's share with `execute`; returns its result."""
+        def step():
+            self.channel.send_step(host)
+            return execute(host)
 
-    def _guard(self, send) -> None:
+        return self._guard(step)
+
+    def _guard(self, action):
         self.check_alive()
         try:
-            send()
+            return action()
         except Exception as exc:
             raise self.failure(exc) from exc
+        except BaseException as exc:
+            # Interrupted mid-step (Ctrl-C): the workers are inside a step rank 0 left, so the ranks'
+            # collectives would no longer pair up. The group is unusable; say so on the next call.
+            self.failure(exc)
+            raise
 
     def check_alive(self) -> None:
         """Raise `TensorParallelError` if a worker has died (or an earlier failure stopped the group)."""
@@ -276,7 +287,9 @@ class TensorParallelGroup:
                 code = None
             if code is not None:
                 dead[rank] = code
-        if dead:
+        if isinstance(exc, BaseException) and not isinstance(exc, Exception):
+            message = f"a step was interrupted ({type(exc).__name__}), leaving the ranks out of step"
+        elif dead:
             parts = []
             for rank, code in sorted(dead.items()):
                 detail = self._last_error(rank)
@@ -284,7 +297,7 @@ class TensorParallelGroup:
                              + (f": {detail}" if detail else ""))
             message = "tensor-parallel worker " + "; ".join(parts)
         else:
-            message = f"a tensor-parallel collective failed: {exc}"
+            message = f"a tensor-parallel step failed: {type(exc).__name__}: {exc}"
         self._failure = TensorParallelError(message + " (the engine is stopped; create a new one)")
         return self._failure
 
@@ -296,9 +309,16 @@ class TensorParallelGroup:
             return ""
         return lines[-1] if lines else ""
 
-    def shutdown(self) -> None:
-        """Stop the workers (politely if the group still works) and leave the process group."""
-        if self._failure is None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers and leave the process group (idempotent).
+
+        `graceful` asks the workers to stop between steps; pass False when they may be anywhere
+        else (loading, warming up), where only killing them is safe.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if graceful and self._failure is None:
             try:
                 self.check_alive()
                 self.channel.send_shutdown()
@@ -306,7 +326,7 @@ class TensorParallelGroup:
                 logger.warning("fastgen: tensor-parallel shutdown message failed: %s", exc)
         for proc in self.workers.values():
             try:
-                proc.wait(timeout=10 if self._failure is None else 0.1)
+                proc.wait(timeout=10 if graceful and self._failure is None else 0.1)
             except subprocess.TimeoutExpired:
                 pass
         self._kill_workers()

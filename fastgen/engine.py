@@ -29,6 +29,7 @@ from fastgen.models.config import ModelConfig
 from fastgen.models.loader import load_model, resolve_model_dir
 from fastgen.models.registry import check_tensor_parallel_support
 from fastgen.outputs import Response
+from fastgen.plan import Plan
 from fastgen.policy import make_plan
 from fastgen.sampler import Sampler, SamplingMetadata, make_generator
 from fastgen.sampling_params import SamplingParams
@@ -83,13 +84,14 @@ class Engine:
             self._build(config, plan)
         except BaseException:
             if self.tp_group is not None:
+                self.tp_group.shutdown(graceful=False)  # workers may be loading or warming up
                 self._stop_workers()
             raise
         logger.info("fastgen engine: %s on %s, %s, %d KV blocks of %d tokens, max_model_len %d, tensor_parallel %d",
                     self.model_dir, self.device, self.dtype, self.block_manager.num_blocks, self.block_size,
                     self.max_model_len, plan.tensor_parallel)
 
-    def _build(self, config: EngineConfig, plan) -> None:
+    def _build(self, config: EngineConfig, plan: Plan) -> None:
         """Load the weights (this rank's share), size the KV cache, build runner, scheduler and sampler."""
         wanted_len = config.max_length or self.model_config.max_position_embeddings
         num_blocks = self._num_kv_blocks(wanted_len)
@@ -225,11 +227,7 @@ class Engine:
         started = time.perf_counter()
         host = build_host_inputs(batch.chunks, self.block_manager)
         if self.tp_group is not None:
-            self.tp_group.broadcast_step(host)
-            try:
-                logits = self.runner.execute(host)
-            except Exception as exc:
-                raise self.tp_group.failure(exc) from exc
+            logits = self.tp_group.run_step(host, self.runner.execute)
         else:
             logits = self.runner.execute(host)
         to_sample = []

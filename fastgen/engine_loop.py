@@ -13,9 +13,10 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError, TimeoutError as FutureTimeout
 from typing import Any, Callable
 
+from fastgen.distributed import TensorParallelError
 from fastgen.engine import Engine
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
@@ -71,6 +72,8 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._stopped = threading.Event()
+        self.fatal_error: BaseException | None = None
+        """Set when the engine can never step again (a tensor-parallel rank died); the loop then stops."""
         self._thread = threading.Thread(target=self._run, name="fastgen-engine-loop", daemon=True)
         self._thread.start()
 
@@ -90,12 +93,20 @@ class EngineLoop:
         return self._add(prompt, params, lambda item: aio_loop.call_soon_threadsafe(deltas.put_nowait, item), deltas)
 
     def _add(self, prompt: Any, params: SamplingParams | None, deliver: Callable[[Any], None], source: Any) -> RequestStream:
+        if self.fatal_error is not None:
+            raise RuntimeError(f"the engine failed: {self.fatal_error}")
         if self._stopped.is_set():
             raise RuntimeError("the engine loop is shut down")
         params = params or SamplingParams()
         future: Future = Future()
         self._commands.put(("add", prompt, params, deliver, source, future))
-        return future.result()
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except FutureTimeout:
+                # The loop may have stopped between our check and the put: nobody would answer.
+                if not self._thread.is_alive():
+                    self._fail_pending()
 
     def abort(self, request_id: str) -> None:
         """Cancel a request from any thread; unknown or finished ids are ignored."""
@@ -126,9 +137,29 @@ class EngineLoop:
                 for request_id in list(self._streams):
                     self.engine.abort(request_id)
                     self._close(request_id, exc)
+                if isinstance(exc, TensorParallelError):
+                    # No later step can succeed: stop, so the deployment reports it and exits.
+                    self.fatal_error = exc
+                    self._stopped.set()
                 continue
             for delta in deltas:
                 self._route(delta)
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        """Answer every queued command of a stopped loop: its requests can never run."""
+        error = RuntimeError(f"the engine failed: {self.fatal_error}" if self.fatal_error is not None
+                             else "the engine loop is shut down")
+        while True:
+            try:
+                command = self._commands.get(block=False)
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                try:
+                    command[-1].set_exception(error)
+                except InvalidStateError:  # answered meanwhile by the other thread draining the queue
+                    pass
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]

@@ -310,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.replica_of is not None and os.getppid() != args.replica_of:
                 logger.error("the front end (pid %d) is gone; stopping", args.replica_of)
                 break
+            if isinstance(backend, LocalBackend) and backend.loop.fatal_error is not None:
+                logger.error("the engine failed for good (%s); stopping", backend.loop.fatal_error)
+                return 1
         return 1 if isinstance(backend, ReplicaRouter) and backend.all_dead else 0
     except Exception:
         if stop.is_set() and loading:

@@ -171,7 +171,7 @@ def test_replica_exits_when_its_front_end_dies(tiny_checkpoints, tmp_path):
 
 
 def test_launcher_rejects_bad_options(capsys):
-    for argv, message in ((["--tensor-parallel", "2"], "tensor parallelism lands with issue 8"),
+    for argv, message in ((["--tensor-parallel", "0"], "--tensor-parallel must be >= 1"),
                           (["--replica-num", "0"], "--replica-num must be >= 1"),
                           (["--max-length", "0"], "max_length must be a positive int or None, got 0"),
                           (["--deployment-name", "../x"], "deployment_name must be")):

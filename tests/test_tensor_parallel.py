@@ -32,8 +32,8 @@ def _hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list
     return [tokens for tokens, _ in hf_greedy(path, prompts, max_new_tokens)]
 
 
-def _worker_processes() -> list[int]:
-    """Pids of live tensor-parallel worker processes started by this test process."""
+def _worker_processes(parent: int | None = None) -> list[int]:
+    """Pids of live tensor-parallel worker processes started by `parent` (default: this process)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -45,7 +45,7 @@ def _worker_processes() -> list[int]:
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"fastgen.tp_worker" in cmd and f"{os.getpid()}".encode() in cmd and state != "Z":
+        if b"fastgen.tp_worker" in cmd and str(parent or os.getpid()).encode() in cmd and state != "Z":
             pids.append(int(entry))
     return pids
 
@@ -108,7 +108,7 @@ def test_tensor_parallel_refuses_what_it_cannot_split(tiny_checkpoints):
     assert not _worker_processes()
 
 
-def test_serve_with_tensor_parallel_equals_hf(tiny_checkpoints):
+def test_serve_with_tensor_parallel_equals_hf_and_stops_when_a_worker_dies(tiny_checkpoints):
     path = tiny_checkpoints["qwen2"]
     prompts = [[5, 6, 7], [11] * 20]
     with socket.socket() as s:
@@ -118,9 +118,19 @@ def test_serve_with_tensor_parallel_equals_hf(tiny_checkpoints):
                            progress=False)
     try:
         got = [r.token_ids for r in client(prompts, do_sample=False, max_new_tokens=10, ignore_eos=True)]
+        assert got == _hf_greedy(path, prompts, 10)
+        workers = _worker_processes(client.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        with pytest.raises(Exception, match="rank 1 .*killed by SIGKILL"):
+            client(prompts, do_sample=False, max_new_tokens=10)
+        # The deployment cannot serve any more: it exits rather than failing every request forever.
+        client._process.wait(timeout=10)
+        assert client._process.returncode == 1
     finally:
-        client.terminate_server(timeout=30)
-    assert got == _hf_greedy(path, prompts, 10)
+        if client._process.poll() is None:
+            client.terminate_server(timeout=30)
+    assert not _worker_processes(client.pid)
 
 
 def test_torchrun_launch_serves_rank_0(tiny_checkpoints, tmp_path):
