@@ -13,6 +13,7 @@ import time
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from tqdm.auto import tqdm
 
 from fastgen.models.config import ModelConfig
@@ -93,8 +94,12 @@ class ModelRunner:
         return self.model(input_ids, positions, md, self.kv_caches)
 
     def _recompile_budget(self):
-        """Dynamo's recompile limit, raised for this call only: every bucket is one specialisation."""
-        limit = len(self.buckets) + 8
+        """Dynamo's recompile limit, raised for this call only: every bucket is one specialisation.
+
+        Dynamo counts specialisations per code object, and every runner in this process (earlier
+        pipelines of a notebook, other tests) shares `_forward`'s, so their entries count too.
+        """
+        limit = len(_debug_get_cache_entry_list(ModelRunner._forward.__code__)) + len(self.buckets) + 8
         return torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit))
 
     @torch.inference_mode()
