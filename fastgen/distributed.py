@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -187,6 +188,11 @@ class StepChannel:
         return box[0]
 
 
+def worker_up_key(rank: int) -> str:
+    """The store key a spawned worker sets once it has started and reached rank 0's store."""
+    return f"fastgen/worker{rank}/up"
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -224,6 +230,7 @@ class TensorParallelGroup:
             try:
                 for rank in range(1, size):
                     self.workers[rank] = self._spawn(rank, store.port, backend, device_type, device_index)
+                self._wait_for_workers(store)
                 dist.init_process_group(backend, store=store, rank=0, world_size=size, timeout=timeout)
             except BaseException:
                 self._kill_workers()
@@ -238,6 +245,17 @@ class TensorParallelGroup:
         logger.info("fastgen: starting tensor-parallel worker rank %d", rank)
         # Own session: a Ctrl-C in the user's terminal reaches rank 0, which then stops the workers.
         return subprocess.Popen(cmd, start_new_session=True)
+
+    def _wait_for_workers(self, store: dist.TCPStore) -> None:
+        """Wait until every worker has reached the store, failing at once if one dies on the way
+        (an import error, say) instead of waiting out the rendezvous timeout."""
+        keys = [worker_up_key(rank) for rank in self.workers]
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+        while not store.check(keys):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel workers did not start within {COLLECTIVE_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
 
     def error_file(self, rank: int) -> str:
         """Where worker `rank` writes its error before exiting."""

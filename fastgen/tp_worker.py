@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fastgen.distributed import (COLLECTIVE_TIMEOUT_S, StepChannel, TorchrunEnv, backend_for, metadata_group,
-                                 rank_device)
+                                 rank_device, worker_up_key)
 from fastgen.model_runner import ModelRunner
 from fastgen.models.loader import load_model
 from fastgen.models.parallel import TensorParallel
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", args.store_port, args.world_size, is_master=False, timeout=timeout)
+        store.set(worker_up_key(args.rank), "1")
         dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world_size,
                                 timeout=timeout)
         serve_rank(args.rank, args.world_size, args.device_type, None)

@@ -100,6 +100,16 @@ def test_killed_worker_is_a_clear_error_within_seconds(tiny_checkpoints):
     assert not _worker_processes()
 
 
+def test_worker_that_fails_to_start_is_reported_not_waited_for(tiny_checkpoints, monkeypatch):
+    # Rank 0 read the timeout when fastgen was imported; a fresh worker process fails to parse it.
+    monkeypatch.setenv("FASTGEN_TP_TIMEOUT", "not-a-number")
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code 1"):
+        fastgen.pipeline(tiny_checkpoints["llama"], tensor_parallel=2, progress=False)
+    assert time.monotonic() - start < 60
+    assert not _worker_processes()
+
+
 def test_tensor_parallel_refuses_what_it_cannot_split(tiny_checkpoints):
     with pytest.raises(NotImplementedError, match="not implemented for 'gpt2'.*supported: llama"):
         fastgen.pipeline(tiny_checkpoints["gpt2"], tensor_parallel=2, progress=False)
