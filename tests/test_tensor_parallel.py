@@ -118,14 +118,15 @@ def test_tensor_parallel_refuses_what_it_cannot_split(tiny_checkpoints):
     assert not _worker_processes()
 
 
-def test_serve_with_tensor_parallel_equals_hf_and_stops_when_a_worker_dies(tiny_checkpoints):
-    path = tiny_checkpoints["qwen2"]
+@pytest.mark.parametrize("model_type", ["qwen2", "mixtral"])
+def test_serve_with_tensor_parallel_equals_hf_and_stops_when_a_worker_dies(model_type, tiny_checkpoints):
+    path = tiny_checkpoints[model_type]
     prompts = [[5, 6, 7], [11] * 20]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    client = fastgen.serve(path, tensor_parallel=2, deployment_name="tp-test", host="127.0.0.1", port_number=port,
-                           progress=False)
+    client = fastgen.serve(path, tensor_parallel=2, deployment_name=f"tp-{model_type}", host="127.0.0.1",
+                           port_number=port, progress=False)
     try:
         got = [r.token_ids for r in client(prompts, do_sample=False, max_new_tokens=10, ignore_eos=True)]
         assert got == _hf_greedy(path, prompts, 10)
