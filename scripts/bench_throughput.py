@@ -57,7 +57,7 @@ def run_hf(model, requests, batch_size: int, timeout: float = float("inf"), **ge
 def run_hf_static_compiled(model, requests, batch_size: int, timeout: float) -> tuple[float, dict]:
     """Timed seconds of HF generate with a static cache and torch.compile, and notes: the untimed
     compile warm-up's seconds and the graphs Dynamo still compiled during the timed run."""
-    config = transformers.CompileConfig(mode="reduce-overhead" if torch.cuda.is_available() else "default")
+    config = transformers.CompileConfig(mode="reduce-overhead" if model.device.type == "cuda" else "default")
     config._compile_all_devices = True  # transformers compiles automatically only on accelerators otherwise
     gen = {"cache_implementation": "static", "compile_config": config,
            "max_cache_len": max(len(p) for p, _ in requests) + max(o for _, o in requests)}
