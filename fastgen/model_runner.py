@@ -13,7 +13,6 @@ import time
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from tqdm.auto import tqdm
 
 from fastgen.models.config import ModelConfig
@@ -99,6 +98,9 @@ class ModelRunner:
         Dynamo counts specialisations per code object, and every runner in this process (earlier
         pipelines of a notebook, other tests) shares `_forward`'s, so their entries count too.
         """
+        # Imported here: torch._dynamo costs ~1.3 s of import time that a compile-off start-up never needs.
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
         limit = len(_debug_get_cache_entry_list(ModelRunner._forward.__code__)) + len(self.buckets) + 8
         return torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit))
 
