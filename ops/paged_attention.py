@@ -149,18 +149,16 @@ def _attend_decodes(query, k_cache, v_cache, block_tables, rows, lens, starts, s
             blocks = block_tables.index_select(0, index)[:, :num_blocks].flatten().long()
             k = k_cache.index_select(0, blocks).view(len(group), padded_len, num_kv_heads, head_dim)
             v = v_cache.index_select(0, blocks).view(len(group), padded_len, num_kv_heads, head_dim)
-            # Slots past a sequence's end hold whatever an earlier owner left (even NaN): a masked
-            # score of NaN would still poison the softmax, so zero them, touching only those rows.
-            stale = [row * padded_len + pos for row, g in enumerate(group) for pos in range(lens[g], padded_len)]
-            if stale:
-                stale_rows = torch.tensor(stale, device=query.device)
-                k.view(-1, num_kv_heads, head_dim).index_fill_(0, stale_rows, 0)
-                v.view(-1, num_kv_heads, head_dim).index_fill_(0, stale_rows, 0)
             q_rows = torch.tensor([starts[g] for g in group], device=query.device)
             q = query.index_select(0, q_rows)
             seq_len = torch.tensor([lens[g] for g in group], device=query.device).unsqueeze(1)
             k_pos = torch.arange(padded_len, device=query.device).unsqueeze(0)
             mask = k_pos < seq_len
+            # Slots past a sequence's end hold whatever an earlier owner left (even NaN): a masked
+            # score of NaN would still poison the softmax, so zero them, touching only those rows.
+            stale = (~mask).flatten().nonzero().squeeze(1)
+            k.view(-1, num_kv_heads, head_dim).index_fill_(0, stale, 0)
+            v.view(-1, num_kv_heads, head_dim).index_fill_(0, stale, 0)
             if sliding_window > 0:
                 mask = mask & (k_pos > seq_len - 1 - sliding_window)
             attended = _attend_heads(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :],
