@@ -3,6 +3,7 @@ workloads, and the machine's measured ceilings (memory read bandwidth, matmul ra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -99,17 +100,35 @@ def write_json(path: str, payload: dict) -> None:
     print(f"\nwrote {path}")
 
 
-def run_offline(model: str, requests: list[tuple[list[int], int]], **options) -> float:
+_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "mkldnn::")
+
+
+def profile_shares(prof) -> dict[str, float]:
+    """Fractions of a CPU profile's time: fastgen's attention op (with everything it calls), matmuls
+    outside it, and the rest (elementwise kernels, compiled-graph glue, Python between ops)."""
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    attention = sum(e.cpu_time_total for e in events if e.key.startswith("fastgen::paged_attention"))
+    attention_parts = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select", "aten::index_fill_"}
+    matmul = sum(e.self_cpu_time_total for e in events if e.key.startswith(_MATMUL_OPS))
+    return {"attention_op": attention / total, "matmul": matmul / total,
+            "attention_sdpa_and_gathers": sum(e.self_cpu_time_total for e in events if e.key in attention_parts) / total,
+            "other": max(0.0, 1 - (attention + matmul) / total)}
+
+
+def run_offline(model: str, requests: list[tuple[list[int], int]], around_steps=None, **options) -> float:
     """Seconds for a fastgen pipeline to serve every (prompt ids, output length) request, all
-    submitted at once, greedy with EOS ignored; start-up and a warm-up request are not timed."""
+    submitted at once, greedy with EOS ignored; start-up and a warm-up request are not timed.
+    `around_steps` (a context manager, e.g. a `torch.profiler.profile`) wraps the stepping loop."""
     pipe = fastgen.pipeline(model, progress=False, **options)
     pipe([requests[0][0]], max_new_tokens=2, do_sample=False, ignore_eos=True)
     engine = pipe.engine
     start = time.perf_counter()
     for prompt, out_len in requests:
         engine.add_request(prompt, fastgen.SamplingParams(do_sample=False, max_new_tokens=out_len, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+    with around_steps or contextlib.nullcontext():
+        while engine.has_unfinished():
+            engine.step()
     elapsed = time.perf_counter() - start
     pipe.destroy()
     return elapsed

@@ -26,7 +26,7 @@ import time
 
 import torch
 import transformers
-from bench_common import build_llama_checkpoint, matmul_flops, run_offline, workload, write_json
+from bench_common import build_llama_checkpoint, matmul_flops, profile_shares, run_offline, workload, write_json
 
 
 def padded_batch(batch: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", default="default", choices=["off", "default", "max-autotune"])
     parser.add_argument("--token-budget", type=int, default=512)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also run fastgen on the first N requests under torch.profiler (untimed): op table + shares")
     parser.add_argument("--out", default="bench_results/throughput.json")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -107,6 +109,14 @@ def main() -> None:
 
         results = {"fastgen": run_offline(tmp, requests, dtype=dtype, compile=args.compile,
                                           token_budget=args.token_budget, max_seqs=min(256, args.token_budget))}
+        profile = None
+        if args.profile:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            run_offline(tmp, requests[: args.profile], around_steps=prof, dtype=dtype, compile=args.compile,
+                        token_budget=args.token_budget, max_seqs=min(256, args.token_budget))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+            profile = {k: round(v, 3) for k, v in profile_shares(prof).items()}
+            print("fastgen CPU time shares:", ", ".join(f"{k} {100 * v:.0f}%" for k, v in profile.items()))
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
         hf.generation_config.eos_token_id = None
         hf.generation_config.pad_token_id = 0
@@ -155,7 +165,7 @@ def main() -> None:
           f"measured {args.dtype} matmul ceiling ({ceiling / 1e9:.0f} GFLOP/s)")
     write_json(args.out, {"args": vars(args), "num_params": num_params, "prompt_tokens": prompt_tokens,
                           "output_tokens": output_tokens, "threads": torch.get_num_threads(), "results": rows,
-                          "matmul_flops": ceiling, "fastgen_model_flops": achieved})
+                          "matmul_flops": ceiling, "fastgen_model_flops": achieved, "fastgen_profile_shares": profile})
 
 
 if __name__ == "__main__":
