@@ -17,7 +17,7 @@ import tempfile
 import time
 
 import torch
-from bench_common import build_llama_checkpoint, median_seconds, memory_read_bandwidth, write_json
+from bench_common import build_llama_checkpoint, median_seconds, memory_read_bandwidth, profile_shares, write_json
 
 import fastgen
 from fastgen.step_inputs import HostStepInputs
@@ -60,6 +60,25 @@ def time_buckets(pipe: fastgen.Pipeline, buckets: list[int], max_seqs: int, repe
     return out
 
 
+def profile_batch1_step(pipe: fastgen.Pipeline, steps: int = 50) -> dict[str, float]:
+    """CPU-time shares (attention op, matmuls, other) of `steps` batch-1 decode steps through
+    `runner.execute`, and the mean step seconds under the profiler."""
+    runner = pipe.engine.runner
+    host = step_inputs(1, 1, runner.block_size)
+    host.logits_indices.append(0)
+    for _ in range(5):
+        runner.execute(host)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            runner.execute(host)
+        elapsed = time.perf_counter() - start
+    shares = profile_shares(prof)
+    shares["step_seconds_profiled"] = elapsed / steps
+    return shares
+
+
 def decode_throughput(pipe: fastgen.Pipeline, batch: int, new_tokens: int) -> float:
     """Generated tokens/s for `batch` requests of 16-token prompts decoding `new_tokens` each."""
     params = fastgen.SamplingParams(do_sample=False, max_new_tokens=new_tokens, ignore_eos=True)
@@ -85,6 +104,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4,16,64")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile 50 batch-1 decode steps per mode (torch.profiler CPU-time shares)")
     parser.add_argument("--out", default="bench_results/graphs.json")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -103,7 +124,7 @@ def main() -> None:
         weight_bytes = num_params * torch.empty((), dtype=dtype).element_size()
         print(f"model: Llama-shaped, {num_params / 1e6:.0f}M parameters ({weight_bytes / 2**20:.0f} MiB), {args.dtype}, "
               f"on {device}, {torch.get_num_threads()} threads")
-        step_times, warmup, decode = {}, {}, {}
+        step_times, warmup, decode, profiles = {}, {}, {}, {}
         for name, options in modes.items():
             start = time.perf_counter()
             pipe = fastgen.pipeline(tmp, **common, **options)
@@ -111,6 +132,8 @@ def main() -> None:
             warmup[name] = {"startup_s": startup, "per_bucket_s": dict(pipe.engine.runner.warmup_seconds)}
             step_times[name] = time_buckets(pipe, buckets, common["max_seqs"], args.repeats)
             decode[name] = {b: decode_throughput(pipe, int(b), args.new_tokens) for b in args.batch_sizes.split(",")}
+            if args.profile:
+                profiles[name] = profile_batch1_step(pipe)
             pipe.destroy()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -134,10 +157,13 @@ def main() -> None:
         achieved = weight_bytes * decode[n]["1"]
         roofline[n] = achieved / bandwidth
         print(f"  {n:<18}{achieved / 1e9:>7.1f} GB/s = {100 * roofline[n]:.0f}% of measured")
+    for n, shares in profiles.items():
+        print(f"  {n} batch-1 step profile: {1e3 * shares['step_seconds_profiled']:.2f} ms; "
+              + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items() if k != "step_seconds_profiled"))
     write_json(args.out, {"args": vars(args), "device": str(device), "num_params": num_params,
                           "weight_bytes": weight_bytes, "step_seconds": step_times, "warmup": warmup,
                           "decode_tokens_per_s": decode, "read_bandwidth_bytes_per_s": bandwidth,
-                          "batch1_fraction_of_bandwidth": roofline})
+                          "batch1_fraction_of_bandwidth": roofline, "batch1_profile_shares": profiles})
 
 
 if __name__ == "__main__":
