@@ -51,13 +51,16 @@ def _attend_one(
 ) -> torch.Tensor:
     """Causal attention of `q` `[Q, Hq, D]`, the last Q positions, over `k`/`v` `[L, Hkv, D]`."""
     num_q, num_ctx = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    if num_q == 1 and softcap == 0 and (sliding_window <= 0 or num_ctx <= sliding_window):
+        # One decode token sees every key: no mask to build (batch-1 decode runs this once per layer).
+        return F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True)[0].transpose(0, 1)
     q_pos = torch.arange(num_ctx - num_q, num_ctx, device=q.device).unsqueeze(1)
     k_pos = torch.arange(num_ctx, device=q.device).unsqueeze(0)
     mask = k_pos <= q_pos
     if sliding_window > 0:
         # Same rule as transformers' sliding-window overlay: key visible iff q - k < window.
         mask = mask & (k_pos > q_pos - sliding_window)
-    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     return _attend_heads(qh, kh, vh, mask[None, None], scale, softcap)[0].transpose(0, 1)
 
 
@@ -221,6 +224,13 @@ def attention(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """What model code calls: paged attention of one layer through `attn_metadata.backend`."""
+    md = attn_metadata
+    if md.backend in ("auto", "torch") and query.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Eager on the CPU the op would only call the reference, after ~0.1 ms of custom-op dispatch
+        # per layer (argument defaults, autograd and inplace-view wrappers); torch.compile keeps the op.
+        return paged_attention_reference(query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping,
+                                         md.block_tables, md.seq_lens, md.query_start_loc, scale, sliding_window,
+                                         softcap)
     if attn_metadata.backend == "auto":
         op = paged_attention
     elif attn_metadata.backend == "torch":
@@ -229,7 +239,6 @@ def attention(
         op = paged_attention_triton
     else:
         raise ValueError(f"unknown attention backend {attn_metadata.backend!r} (supported: auto, torch, triton)")
-    md = attn_metadata
     return op(
         query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping, md.block_tables, md.seq_lens,
         md.query_start_loc, scale, sliding_window, softcap,
