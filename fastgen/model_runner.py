@@ -83,7 +83,16 @@ class ModelRunner:
             self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, mode=mode)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warmup_seconds: dict[int, float] = {}
+        self._recompile_limit = 0
         if compile != "off" or cuda_graphs:
+            # Dynamo counts specialisations per code object, and every runner in this process
+            # (earlier pipelines of a notebook, other tests) shares `_forward`'s, so their entries
+            # count too. Counted once here, not per step. Imported here: torch._dynamo costs ~1.3 s
+            # of import time that a compile-off start-up never needs.
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            others = len(_debug_get_cache_entry_list(ModelRunner._forward.__code__))
+            self._recompile_limit = others + len(self.buckets) + 8
             self._warm_up(progress)
 
     def _forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc) -> torch.Tensor:
@@ -93,15 +102,8 @@ class ModelRunner:
         return self.model(input_ids, positions, md, self.kv_caches)
 
     def _recompile_budget(self):
-        """Dynamo's recompile limit, raised for this call only: every bucket is one specialisation.
-
-        Dynamo counts specialisations per code object, and every runner in this process (earlier
-        pipelines of a notebook, other tests) shares `_forward`'s, so their entries count too.
-        """
-        # Imported here: torch._dynamo costs ~1.3 s of import time that a compile-off start-up never needs.
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        limit = len(_debug_get_cache_entry_list(ModelRunner._forward.__code__)) + len(self.buckets) + 8
+        """Dynamo's recompile limit, raised for this call only: every bucket is one specialisation."""
+        limit = self._recompile_limit
         return torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit))
 
     @torch.inference_mode()

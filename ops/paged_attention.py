@@ -51,16 +51,13 @@ def _attend_one(
 ) -> torch.Tensor:
     """Causal attention of `q` `[Q, Hq, D]`, the last Q positions, over `k`/`v` `[L, Hkv, D]`."""
     num_q, num_ctx = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    if num_q == 1 and softcap == 0 and (sliding_window <= 0 or num_ctx <= sliding_window):
-        # One decode token sees every key: no mask to build (batch-1 decode runs this once per layer).
-        return F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True)[0].transpose(0, 1)
     q_pos = torch.arange(num_ctx - num_q, num_ctx, device=q.device).unsqueeze(1)
     k_pos = torch.arange(num_ctx, device=q.device).unsqueeze(0)
     mask = k_pos <= q_pos
     if sliding_window > 0:
         # Same rule as transformers' sliding-window overlay: key visible iff q - k < window.
         mask = mask & (k_pos > q_pos - sliding_window)
+    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     return _attend_heads(qh, kh, vh, mask[None, None], scale, softcap)[0].transpose(0, 1)
 
 
