@@ -110,6 +110,19 @@ def test_worker_that_fails_to_start_is_reported_not_waited_for(tiny_checkpoints,
     assert not _worker_processes()
 
 
+def test_second_tensor_parallel_engine_in_one_process_is_refused_until_the_first_is_destroyed(tiny_checkpoints):
+    first = fastgen.pipeline(tiny_checkpoints["llama"], tensor_parallel=2, progress=False)
+    try:
+        with pytest.raises(RuntimeError, match="already running in this process: destroy"):
+            fastgen.pipeline(tiny_checkpoints["llama"], tensor_parallel=2, progress=False)
+        assert len(_worker_processes()) == 1, "the refused engine started no worker"
+    finally:
+        first.destroy()
+    with fastgen.pipeline(tiny_checkpoints["llama"], tensor_parallel=2, progress=False) as again:
+        assert again([[5, 6]], do_sample=False, max_new_tokens=2)[0].generated_length == 2
+    assert not _worker_processes()
+
+
 def test_tensor_parallel_refuses_what_it_cannot_split(tiny_checkpoints):
     with pytest.raises(NotImplementedError, match="not implemented for 'gpt2'.*supported: llama"):
         fastgen.pipeline(tiny_checkpoints["gpt2"], tensor_parallel=2, progress=False)
