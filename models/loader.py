@@ -16,11 +16,30 @@ import torch
 from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from fastgen.models.config import ModelConfig, load_generation_eos, parse_dtype
 from fastgen.models.parallel import SINGLE, TensorParallel, read_whole
 from fastgen.models.registry import check_tensor_parallel_support, get_model_class
+
+class _SkipRandomInit(TorchFunctionMode):
+    """Turns the random fills of `reset_parameters` into no-ops while the model is built on meta.
+
+    The values would be discarded anyway, and a meta `normal_` goes through `torch._refs`, whose
+    first call imports `torch._dynamo` (~1.3 s that a compile-off start-up otherwise never pays).
+    """
+
+    _RANDOM_FILLS = frozenset((torch.Tensor.normal_, torch.Tensor.uniform_, nn.init.normal_, nn.init.uniform_,
+                               nn.init.trunc_normal_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
+                               nn.init.xavier_uniform_, nn.init.xavier_normal_))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._RANDOM_FILLS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
 
 # Checkpoint tensors that hold no weights we use (old Llama checkpoints saved rotary tables).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -237,7 +256,7 @@ def load_model(
     dtype = parse_dtype(dtype) or config.dtype or torch.float32
     device = torch.device(device)
 
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights(include_buffers=False), _SkipRandomInit():
         model = model_cls(config)
     # init_empty_weights re-creates every assigned parameter, which unties shared ones: tie again
     # so the shared weight is expected (and loaded) once.
