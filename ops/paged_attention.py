@@ -55,8 +55,12 @@ def _attend_one(
     if softcap == 0 and (sliding_window <= 0 or sliding_window >= num_ctx):
         # Plain causal attention needs no mask tensor: a lone query sees every key, and a query
         # block over exactly its own keys is SDPA's `is_causal` (its flash kernel skips masked tiles).
-        if num_q == 1 or num_q == num_ctx:
-            return F.scaled_dot_product_attention(qh, kh, vh, scale=scale, is_causal=num_q > 1,
+        if num_q == 1:
+            # GQA as in `_attend_decodes`: the query heads of one KV head are its query rows.
+            rows = q.view(1, kh.shape[1], -1, q.shape[-1])
+            return F.scaled_dot_product_attention(rows, kh, vh, scale=scale).reshape(q.shape)
+        if num_q == num_ctx:
+            return F.scaled_dot_product_attention(qh, kh, vh, scale=scale, is_causal=True,
                                                   enable_gqa=True)[0].transpose(0, 1)
     q_pos = torch.arange(num_ctx - num_q, num_ctx, device=q.device).unsqueeze(1)
     k_pos = torch.arange(num_ctx, device=q.device).unsqueeze(0)
@@ -181,9 +185,17 @@ def _attend_decodes(query, k_cache, v_cache, block_tables, rows, lens, starts, s
             v.view(-1, num_kv_heads, head_dim).index_fill_(0, stale, 0)
             if sliding_window > 0:
                 mask = mask & (k_pos > seq_len - 1 - sliding_window)
-            attended = _attend_heads(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :],
-                                     scale, softcap)
-            out.index_copy_(0, q_rows, attended[:, :, 0])
+            if softcap > 0:
+                attended = _attend_heads(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                         mask[:, None, None, :], scale, softcap)[:, :, 0]
+            else:
+                # GQA: the query heads sharing a KV head become query rows of that head, so SDPA
+                # reads each K/V head once (enable_gqa measured 1.5x slower at 12 / 3 heads).
+                q_by_kv_head = q.view(len(group), num_kv_heads, -1, head_dim)
+                attended = F.scaled_dot_product_attention(q_by_kv_head, k.transpose(1, 2), v.transpose(1, 2),
+                                                          attn_mask=mask[:, None, None, :], scale=scale)
+                attended = attended.reshape(q.shape)
+            out.index_copy_(0, q_rows, attended)
             group = []
 
 

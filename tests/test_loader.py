@@ -456,3 +456,15 @@ def test_local_directory_wins_over_hub_lookup(tiny_checkpoints, monkeypatch):
     monkeypatch.chdir(os.path.dirname(path))
     assert resolve_model_dir(os.path.basename(path)) == os.path.basename(path)
     assert load_model(os.path.basename(path), progress=False).config.model_type == "qwen3"
+
+
+def test_compile_off_pipeline_never_imports_dynamo(tiny_checkpoints):
+    """Building on meta must not run random fills (a meta `normal_` imports torch._dynamo, ~1.3 s of a
+    compile-off start-up), and an eager step must not need Dynamo either."""
+    code = ("import sys, fastgen\n"
+            f"pipe = fastgen.pipeline({tiny_checkpoints['llama']!r}, compile='off', progress=False)\n"
+            "out = pipe(['hello world'], max_new_tokens=3, do_sample=False)\n"
+            "print(out[0].generated_length, 'torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-2:] == ["3", "False"], result.stdout
