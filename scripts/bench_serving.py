@@ -20,7 +20,11 @@ smoothed over windows of 8 tokens, >= unloaded decode tokens/s x `--sla-fraction
 `--sla-prompt-rate`/`--sla-gen-rate` set them directly).
 
 After the server is terminated, the same requests as the largest level run through the offline
-pipeline in this process (all submitted at once) for the serving-vs-offline ratio. The server is
+pipeline in this process (all submitted at once) for the serving-vs-offline ratio, then as the
+same closed loop in this process without gRPC (threads on an `EngineLoop`), which separates what
+the closed loop's load shape costs from what gRPC costs. Each level also records where CPU time
+went (server threads from /proc, the benchmark's own client threads): on a small machine the
+clients share the server's cores. The server is
 always terminated (also on errors and Ctrl-C). Prints tables, writes JSON
 (bench_results/serving.json) and plots throughput vs latency (bench_results/serving.png).
 """
@@ -44,6 +48,7 @@ import transformers
 from bench_common import build_llama_checkpoint, latency_summary, pyplot_or_none, run_offline, workload, write_json
 
 import fastgen
+from fastgen.engine_loop import EngineLoop
 
 SMOOTH_WINDOW = 8
 
@@ -95,6 +100,34 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def process_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each thread of process `pid`, keyed "tid name" (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8") as f:
+                stat = f.read()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        # The name (field 2) may hold spaces; utime and stime are fields 14 and 15.
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        out[f"{tid} {name}"] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def cpu_split(before: dict[str, float], after: dict[str, float], client_cpu: float, wall: float) -> dict:
+    """Where CPU time went during one level. The server's busiest thread is the engine loop, the
+    next its intra-op (OpenMP) worker; the rest are gRPC handlers and pollers and the main thread.
+    An OpenMP worker also burns CPU spinning while it waits, so CPU seconds are not useful work."""
+    used = sorted(((after[k] - before.get(k, 0.0), k) for k in after), reverse=True)
+    top = [u for u, _ in used[:2]] + [0.0, 0.0]
+    return {"wall_s": wall, "cores": os.cpu_count(), "server_cpu_s": sum(u for u, _ in used),
+            "engine_thread_cpu_s": top[0], "intra_op_worker_cpu_s": top[1],
+            "other_server_threads_cpu_s": sum(u for u, _ in used[2:]), "client_cpu_s": client_cpu,
+            "server_top_threads_cpu_s": {k: round(u, 3) for u, k in used[:8]}}
 
 
 def one_request(client, prompt: list[int], out_len: int) -> dict:
@@ -214,10 +247,49 @@ def derive_sla(records: list[dict], args: argparse.Namespace) -> dict:
 
 def offline(model: str, args: argparse.Namespace, requests: list) -> float:
     """Total tokens/s of the offline pipeline on `requests`, all submitted at once."""
+    return sum(len(p) + o for p, o in requests) / run_offline(model, requests, **_engine_options(args))
+
+
+def in_process_closed_loop(model: str, args: argparse.Namespace, requests: list, concurrency: int) -> float:
+    """Total tokens/s of the same closed loop without gRPC: `concurrency` threads of this process
+    submit to an `EngineLoop` and read their deltas, each sending its next request when the last
+    one finished. Against `offline` it measures the closed loop's load shape (requests in flight
+    drop while a client turns around, and at the end); against the server, gRPC's cost."""
+    pipe = fastgen.pipeline(model, progress=False, **_engine_options(args))
+    try:
+        pipe([requests[0][0]], max_new_tokens=2, do_sample=False, ignore_eos=True)
+        loop = EngineLoop(pipe.engine)
+        lock, cursor = threading.Lock(), iter(requests)
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    item = next(cursor, None)
+                if item is None:
+                    return
+                params = fastgen.SamplingParams(do_sample=False, max_new_tokens=item[1], ignore_eos=True)
+                for _ in loop.submit(item[0], params):
+                    pass
+
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - start
+        loop.shutdown()
+    finally:
+        pipe.destroy()
+    return sum(len(p) + o for p, o in requests) / seconds
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    """The server's engine options, for the in-process comparisons."""
     options = dict(dtype=getattr(torch, args.dtype), compile=args.compile, max_seqs=args.max_seqs)
     if args.token_budget is not None:
         options["token_budget"] = args.token_budget
-    return sum(len(p) + o for p, o in requests) / run_offline(model, requests, **options)
+    return options
 
 
 def print_table(title: str, rows: dict[str, dict]) -> None:
@@ -274,7 +346,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--token-budget", type=int, default=None, help="default: the plan's")
     parser.add_argument("--max-seqs", type=int, default=32)
     parser.add_argument("--concurrency", default="1,2,4,8,16")
-    parser.add_argument("--requests-per-client", type=int, default=3, help="closed loop: requests = this x clients")
+    parser.add_argument("--requests-per-client", type=int, default=6, help="closed loop: requests = this x clients")
     parser.add_argument("--min-requests", type=int, default=8, help="closed loop: at least this many per level")
     parser.add_argument("--rates", default="2,4", help="Poisson arrival rates in requests/s (\"\" for none)")
     parser.add_argument("--poisson-requests", type=int, default=24)
@@ -327,12 +399,16 @@ def main() -> None:
         for i, c in enumerate(args.levels):
             n = max(args.min_requests, args.requests_per_client * c)
             reqs = workload(n, args.prompt_mean, args.output_mean, vocab, args.seed + i)
+            server_before, client_before = process_cpu_seconds(proc.pid), time.process_time()
             records, seconds = closed_loop(client, reqs, c)
+            cpu = cpu_split(server_before, process_cpu_seconds(proc.pid), time.process_time() - client_before, seconds)
             if sla is None:
                 sla = derive_sla(records, args)
-            closed[str(c)] = summarise(records, seconds, sla)
+            closed[str(c)] = {**summarise(records, seconds, sla), "cpu": cpu}
             biggest = reqs
-            print(f"  {c:>3} clients: {n} requests in {seconds:.1f} s")
+            print(f"  {c:>3} clients: {n} requests in {seconds:.1f} s; CPU s: engine thread "
+                  f"{cpu['engine_thread_cpu_s']:.1f}, intra-op worker {cpu['intra_op_worker_cpu_s']:.1f}, other server "
+                  f"threads {cpu['other_server_threads_cpu_s']:.1f}, clients {cpu['client_cpu_s']:.1f}")
         for j, rate in enumerate(args.rate_list):
             reqs = workload(args.poisson_requests, args.prompt_mean, args.output_mean, vocab, args.seed + 100 + j)
             records, seconds = poisson(client, reqs, rate, args.seed + j)
@@ -341,7 +417,10 @@ def main() -> None:
         client.close()
         stop_server(proc)
         wall = time.perf_counter() - started
-        offline_tps = None if args.no_offline else offline(model, args, biggest)
+        offline_tps = loop_tps = None
+        if not args.no_offline:
+            offline_tps = offline(model, args, biggest)
+            loop_tps = in_process_closed_loop(model, args, biggest, args.levels[-1])
     finally:
         if proc is not None:
             stop_server(proc)
@@ -360,9 +439,14 @@ def main() -> None:
         ratio = top / offline_tps
         print(f"\noffline pipeline on the {args.levels[-1]}-client requests: {offline_tps:.1f} total tok/s; "
               f"serving at {args.levels[-1]} clients = {100 * ratio:.0f}% of it (target >= 90%)")
+        print(f"the same closed loop in this process, without gRPC ({args.levels[-1]} threads on an EngineLoop): "
+              f"{loop_tps:.1f} total tok/s = {100 * loop_tps / offline_tps:.0f}% of offline; serving over gRPC = "
+              f"{100 * top / loop_tps:.0f}% of it")
     write_json(args.out, {"args": vars(args), "threads": torch.get_num_threads(),
                           "server_ready_s": ready, "wall_s": wall, "sla": sla, "closed_loop": closed,
                           "poisson": open_loop, "offline_total_tokens_per_s": offline_tps,
+                          "in_process_closed_loop_total_tokens_per_s": loop_tps,
+                          "serving_vs_in_process_closed_loop": None if loop_tps is None else top / loop_tps,
                           "serving_vs_offline": ratio})
     plot(closed, open_loop, args.plot)
 

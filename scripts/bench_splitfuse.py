@@ -163,19 +163,26 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"\n{'mode':<14}{'budget':>8}{'steps':>7}{'ITL p50':>10}{'p90':>9}{'p99':>9}{'max':>9}{'total tok/s':>13}")
+    print(f"\n{'mode':<14}{'budget':>8}{'steps':>7}{'ITL p50':>10}{'p90':>9}{'p99':>9}{'p99.9':>9}{'max':>9}"
+          f"{'total tok/s':>13}")
     for name, r in results.items():
         itl = r["itl"]
+        r["itl_p999"] = float(np.percentile(r["itl_samples"], 99.9))
         print(f"{name:<14}{r['token_budget']:>8}{r['steps']:>7}{1e3 * itl['median']:>8.1f}ms"
-              f"{1e3 * itl['p90']:>7.1f}ms{1e3 * itl['p99']:>7.1f}ms{1e3 * max(r['itl_samples']):>7.1f}ms"
-              f"{r['total_tokens_per_s']:>13.1f}")
+              f"{1e3 * itl['p90']:>7.1f}ms{1e3 * itl['p99']:>7.1f}ms{1e3 * r['itl_p999']:>7.1f}ms"
+              f"{1e3 * max(r['itl_samples']):>7.1f}ms{r['total_tokens_per_s']:>13.1f}")
     sf, whole = results["splitfuse"], results["whole-prompt"]
     p99_ratio = whole["itl"]["p99"] / sf["itl"]["p99"]
+    # When steps are fast, the few ITLs that span a long prompt's step fall under 1% of all
+    # samples, and p99 stops seeing them; the p99.9 and max ratios show the prompt steps.
+    p999_ratio = whole["itl_p999"] / sf["itl_p999"]
+    max_ratio = max(whole["itl_samples"]) / max(sf["itl_samples"])
     tput_change = sf["total_tokens_per_s"] / whole["total_tokens_per_s"] - 1
-    print(f"\np99 ITL: whole-prompt / splitfuse = {p99_ratio:.2f}x (target >= 4x); "
-          f"SplitFuse total throughput {100 * tput_change:+.1f}% (target >= -5%)")
+    print(f"\np99 ITL: whole-prompt / splitfuse = {p99_ratio:.2f}x (target >= 4x); p99.9 {p999_ratio:.2f}x, "
+          f"max {max_ratio:.2f}x; SplitFuse total throughput {100 * tput_change:+.1f}% (target >= -5%)")
     write_json(args.out, {"args": vars(args), "num_params": num_params, "threads": torch.get_num_threads(),
-                          "results": results, "p99_itl_ratio": p99_ratio, "throughput_change": tput_change})
+                          "results": results, "p99_itl_ratio": p99_ratio, "p999_itl_ratio": p999_ratio,
+                          "max_itl_ratio": max_ratio, "throughput_change": tput_change})
     plot(results, args.plot)
 
 
