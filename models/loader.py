@@ -23,6 +23,7 @@ from fastgen.models.config import ModelConfig, load_generation_eos, parse_dtype
 from fastgen.models.parallel import SINGLE, TensorParallel, read_whole
 from fastgen.models.registry import check_tensor_parallel_support, get_model_class
 
+
 class _SkipRandomInit(TorchFunctionMode):
     """Turns the random fills of `reset_parameters` into no-ops while the model is built on meta.
 
