@@ -29,15 +29,15 @@ import transformers
 from bench_common import build_llama_checkpoint, matmul_flops, profile_shares, run_offline, workload, write_json
 
 
-def padded_batch(batch: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded input ids and attention mask of a batch of (prompt ids, output length)."""
+def padded_batch(batch: list[tuple[list[int], int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input ids and attention mask of a batch of (prompt ids, output length), on `device`."""
     width = max(len(p) for p, _ in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros(len(batch), width, dtype=torch.long)
     for row, (p, _) in enumerate(batch):
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 @torch.inference_mode()
@@ -49,8 +49,10 @@ def run_hf(model, requests, batch_size: int, timeout: float = float("inf"), **ge
         if time.perf_counter() - start > timeout:
             raise TimeoutError(f"stopped after {i} of {len(requests)} requests: over {timeout:.0f} s")
         batch = requests[i : i + batch_size]
-        ids, mask = padded_batch(batch)
+        ids, mask = padded_batch(batch, model.device)
         model.generate(ids, attention_mask=mask, max_new_tokens=max(o for _, o in batch), do_sample=False, **gen)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     return time.perf_counter() - start
 
 
@@ -95,6 +97,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench_results/throughput.json")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    # fastgen's pipeline takes the GPU when there is one; HF and the ceiling must run there too.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     tmp = tempfile.mkdtemp(prefix="fastgen-bench-")
     try:
@@ -103,7 +107,7 @@ def main() -> None:
         requests = workload(args.requests, args.prompt_mean, args.output_mean, vocab, args.seed, args.max_prompt)
         prompt_tokens = sum(len(p) for p, _ in requests)
         output_tokens = sum(o for _, o in requests)
-        print(f"model: Llama-shaped, {num_params / 1e6:.0f}M parameters, {args.dtype}, random weights; "
+        print(f"model: Llama-shaped, {num_params / 1e6:.0f}M parameters, {args.dtype}, random weights; on {device}, "
               f"{torch.get_num_threads()} threads")
         print(f"workload: {len(requests)} requests, {prompt_tokens} prompt + {output_tokens} output tokens")
 
@@ -117,7 +121,7 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
             profile = {k: round(v, 3) for k, v in profile_shares(prof).items()}
             print("fastgen CPU time shares:", ", ".join(f"{k} {100 * v:.0f}%" for k, v in profile.items()))
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
         hf.generation_config.eos_token_id = None
         hf.generation_config.pad_token_id = 0
         run_hf(hf, requests[:2], 2)  # warm-up
@@ -158,12 +162,12 @@ def main() -> None:
     elif static_note:
         print(f"({static_name}: {static_note['compile_warmup_seconds']:.1f} s of untimed compile warm-up; "
               f"{static_note['graphs_compiled_in_timed_run']} graphs compiled during the timed run)")
-    ceiling = matmul_flops(torch.device("cpu"), dtype)
+    ceiling = matmul_flops(device, dtype)
     # Forward FLOPs ~ 2 x params per token (attention over short contexts adds little here).
     achieved = 2 * num_params * (prompt_tokens + output_tokens) / results["fastgen"]
     print(f"\nfastgen: {achieved / 1e9:.0f} GFLOP/s of model math = {100 * achieved / ceiling:.0f}% of the "
           f"measured {args.dtype} matmul ceiling ({ceiling / 1e9:.0f} GFLOP/s)")
-    write_json(args.out, {"args": vars(args), "num_params": num_params, "prompt_tokens": prompt_tokens,
+    write_json(args.out, {"args": vars(args), "device": str(device), "num_params": num_params, "prompt_tokens": prompt_tokens,
                           "output_tokens": output_tokens, "threads": torch.get_num_threads(), "results": rows,
                           "matmul_flops": ceiling, "fastgen_model_flops": achieved, "fastgen_profile_shares": profile})
 
