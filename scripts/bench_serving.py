@@ -260,25 +260,34 @@ def in_process_closed_loop(model: str, args: argparse.Namespace, requests: list,
         pipe([requests[0][0]], max_new_tokens=2, do_sample=False, ignore_eos=True)
         loop = EngineLoop(pipe.engine)
         lock, cursor = threading.Lock(), iter(requests)
+        errors: list[BaseException] = []
 
         def worker() -> None:
-            while True:
+            while not errors:
                 with lock:
                     item = next(cursor, None)
                 if item is None:
                     return
                 params = fastgen.SamplingParams(do_sample=False, max_new_tokens=item[1], ignore_eos=True)
-                for _ in loop.submit(item[0], params):
-                    pass
+                try:
+                    for _ in loop.submit(item[0], params):
+                        pass
+                except BaseException as exc:  # re-raised below: a lost request would inflate the rate
+                    errors.append(exc)
+                    return
 
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - start
-        loop.shutdown()
+        try:
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            seconds = time.perf_counter() - start
+        finally:
+            loop.shutdown()
+        if errors:
+            raise errors[0]
     finally:
         pipe.destroy()
     return sum(len(p) + o for p, o in requests) / seconds
