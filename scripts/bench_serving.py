@@ -141,8 +141,9 @@ def one_request(client, prompt: list[int], out_len: int) -> dict:
     return {"sent": sent, "deltas": deltas, "prompt_tokens": prompt_len}
 
 
-def closed_loop(client, requests: list, concurrency: int) -> tuple[list[dict], float]:
-    """`concurrency` threads, each sending its next request when the last one finished."""
+def closed_loop(send, requests: list, concurrency: int) -> tuple[list[dict], float]:
+    """`concurrency` threads, each sending its next request when the last one finished;
+    `send(prompt, out_len)` runs one request and returns its record."""
     records: list[dict] = []
     lock, cursor = threading.Lock(), iter(requests)
     errors: list[BaseException] = []
@@ -154,7 +155,7 @@ def closed_loop(client, requests: list, concurrency: int) -> tuple[list[dict], f
             if item is None:
                 return
             try:
-                rec = one_request(client, *item)
+                rec = send(*item)
             except BaseException as exc:  # re-raised in the main thread
                 errors.append(exc)
                 return
@@ -259,35 +260,17 @@ def in_process_closed_loop(model: str, args: argparse.Namespace, requests: list,
     try:
         pipe([requests[0][0]], max_new_tokens=2, do_sample=False, ignore_eos=True)
         loop = EngineLoop(pipe.engine)
-        lock, cursor = threading.Lock(), iter(requests)
-        errors: list[BaseException] = []
 
-        def worker() -> None:
-            while not errors:
-                with lock:
-                    item = next(cursor, None)
-                if item is None:
-                    return
-                params = fastgen.SamplingParams(do_sample=False, max_new_tokens=item[1], ignore_eos=True)
-                try:
-                    for _ in loop.submit(item[0], params):
-                        pass
-                except BaseException as exc:  # re-raised below: a lost request would inflate the rate
-                    errors.append(exc)
-                    return
+        def send(prompt: list[int], out_len: int) -> dict:
+            params = fastgen.SamplingParams(do_sample=False, max_new_tokens=out_len, ignore_eos=True)
+            for _ in loop.submit(prompt, params):
+                pass
+            return {}
 
-        threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
         try:
-            start = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            seconds = time.perf_counter() - start
+            _, seconds = closed_loop(send, requests, concurrency)
         finally:
             loop.shutdown()
-        if errors:
-            raise errors[0]
     finally:
         pipe.destroy()
     return sum(len(p) + o for p, o in requests) / seconds
@@ -409,7 +392,7 @@ def main() -> None:
             n = max(args.min_requests, args.requests_per_client * c)
             reqs = workload(n, args.prompt_mean, args.output_mean, vocab, args.seed + i)
             server_before, client_before = process_cpu_seconds(proc.pid), time.process_time()
-            records, seconds = closed_loop(client, reqs, c)
+            records, seconds = closed_loop(lambda prompt, out_len: one_request(client, prompt, out_len), reqs, c)
             cpu = cpu_split(server_before, process_cpu_seconds(proc.pid), time.process_time() - client_before, seconds)
             if sla is None:
                 sla = derive_sla(records, args)
