@@ -111,13 +111,13 @@ def main() -> None:
               f"{torch.get_num_threads()} threads")
         print(f"workload: {len(requests)} requests, {prompt_tokens} prompt + {output_tokens} output tokens")
 
-        results = {"fastgen": run_offline(tmp, requests, dtype=dtype, compile=args.compile,
-                                          token_budget=args.token_budget, max_seqs=min(256, args.token_budget))}
+        options = dict(dtype=dtype, compile=args.compile, token_budget=args.token_budget,
+                       max_seqs=min(256, args.token_budget))
+        results = {"fastgen": run_offline(tmp, requests, **options)}
         profile = None
         if args.profile:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            run_offline(tmp, requests[: args.profile], around_steps=prof, dtype=dtype, compile=args.compile,
-                        token_budget=args.token_budget, max_seqs=min(256, args.token_budget))
+            run_offline(tmp, requests[: args.profile], around_steps=prof, **options)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
             profile = {k: round(v, 3) for k, v in profile_shares(prof).items()}
             print("fastgen CPU time shares:", ", ".join(f"{k} {100 * v:.0f}%" for k, v in profile.items()))
@@ -167,8 +167,8 @@ def main() -> None:
     achieved = 2 * num_params * (prompt_tokens + output_tokens) / results["fastgen"]
     print(f"\nfastgen: {achieved / 1e9:.0f} GFLOP/s of model math = {100 * achieved / ceiling:.0f}% of the "
           f"measured {args.dtype} matmul ceiling ({ceiling / 1e9:.0f} GFLOP/s)")
-    write_json(args.out, {"args": vars(args), "device": str(device), "num_params": num_params, "prompt_tokens": prompt_tokens,
-                          "output_tokens": output_tokens, "threads": torch.get_num_threads(), "results": rows,
+    write_json(args.out, {"args": vars(args), "device": str(device), "num_params": num_params,
+                          "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "threads": torch.get_num_threads(), "results": rows,
                           "matmul_flops": ceiling, "fastgen_model_flops": achieved, "fastgen_profile_shares": profile})
 
 
