@@ -10,7 +10,7 @@ import torch
 
 from fastgen.config import EngineConfig
 from fastgen.distributed import torchrun_env
-from fastgen.engine import Engine
+from fastgen.engine import Engine, RequestFailed
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 
@@ -54,7 +54,9 @@ class Pipeline:
         self.rank = rank
         # Whoever steps the engine (a call, or any of several open streams) routes each open
         # stream's deltas here, so interleaved streams and calls never lose each other's text.
-        self._inboxes: dict[str, deque[Response]] = {}
+        self._inboxes: dict[str, deque[Response | RequestFailed]] = {}
+        # Requests of pending calls that failed in the engine, kept for the call that owns them.
+        self._failures: dict[str, RequestFailed] = {}
 
     @property
     def engine(self) -> Engine:
@@ -92,7 +94,11 @@ class Pipeline:
         return request_ids, [engine.sequences(rid) for rid in request_ids]
 
     def __call__(self, prompts: Prompts, **gen: Any) -> list[Response]:
-        """Generate for every prompt; one Response per prompt (n per prompt with `n>1`), in input order."""
+        """Generate for every prompt; one Response per prompt (n per prompt with `n>1`), in input order.
+
+        Raises `RequestFailed` if the engine failed one of this call's requests (after the others
+        have finished: other calls and streams are never affected).
+        """
         request_ids, groups = self._submit(prompts, gen)
         engine = self.engine
         try:
@@ -101,7 +107,11 @@ class Pipeline:
         except BaseException:
             for rid in request_ids:
                 engine.abort(rid)
+                self._failures.pop(rid, None)
             raise
+        failures = [self._failures.pop(rid) for rid in request_ids if rid in self._failures]
+        if failures:
+            raise failures[0]
         out = []
         for prompt_index, seqs in enumerate(groups):
             for seq in seqs:
@@ -126,6 +136,8 @@ class Pipeline:
                     self._step()
                     continue
                 delta = inbox.popleft()
+                if isinstance(delta, RequestFailed):
+                    raise delta
                 delta.prompt_index = index_of[delta.request_id]
                 yield delta
         finally:
@@ -134,11 +146,19 @@ class Pipeline:
                 engine.abort(rid)
 
     def _step(self) -> None:
-        """One engine step; deltas of open streams go to their inboxes."""
-        for delta in self.engine.step():
+        """One engine step; deltas (and failures) of open streams go to their inboxes, failures of
+        pending calls to `_failures`."""
+        engine = self.engine
+        for delta in engine.step():
             inbox = self._inboxes.get(delta.request_id)
             if inbox is not None:
                 inbox.append(delta)
+        for rid, failure in engine.pop_failures().items():
+            inbox = self._inboxes.get(rid)
+            if inbox is not None:
+                inbox.append(failure)
+            else:
+                self._failures[rid] = failure
 
     def destroy(self) -> None:
         """Free the model and KV cache; later calls raise."""

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import torch
@@ -41,6 +42,26 @@ logger = logging.getLogger("fastgen")
 
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
 """The small Llama-architecture model shipped inside the package (used when no model is named)."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine after it was admitted (a sampler, detokenizer or model
+    error that only its rows hit). Only that request ends; it is a server error (gRPC INTERNAL,
+    HTTP 500), never the caller's INVALID_ARGUMENT, since admission had accepted the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request tokenized and validated by `Engine.prepare`, ready for `add_request`.
+
+    Preparing touches no engine state, so servers do it on their own threads (tokenizing a long
+    prompt then never holds up the engine thread or an event loop).
+    """
+
+    prompt_token_ids: list[int]
+    """The prompt's token ids."""
+    params: SamplingParams
+    """The request's validated generation parameters."""
 
 
 def _stop_group(group: TensorParallelGroup, num_threads: int) -> None:
@@ -136,6 +157,8 @@ class Engine:
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
         self.requests: dict[str, list[Sequence]] = {}
+        self._failures: dict[str, RequestFailed] = {}
+        self._max_token_chars = _max_token_chars(self.tokenizer)
         self._num_steps = 0
         self._step_seconds = 0.0
 
@@ -151,8 +174,17 @@ class Engine:
     # Requests -------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
-        """Token ids of a text prompt, or validated ids of a token-id prompt."""
+        """Token ids of a text prompt, or validated ids of a token-id prompt.
+
+        A text prompt whose length alone proves it cannot fit the context is refused before it is
+        tokenized, so a huge body costs a `len()`, not seconds of tokenizer time.
+        """
         if isinstance(prompt, str):
+            # Twice the bound, for normalizers that compose characters (NFKC: "e" + U+0301 -> one char).
+            if len(prompt) > 2 * self._max_token_chars * self.max_model_len:
+                raise ValueError(
+                    f"prompt has {len(prompt)} characters: more than the {self.max_model_len}-token context can hold "
+                    f"(no token of this tokenizer spans more than {self._max_token_chars} characters)")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
@@ -165,9 +197,12 @@ class Engine:
             raise ValueError("prompt is empty (no tokens)")
         return ids
 
-    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request; returns its id. Raises before changing any state."""
+    def prepare(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> PreparedRequest:
+        """Tokenize and validate a request without touching engine state (safe on any thread).
+
+        Raises ValueError/TypeError naming the problem; a request that passes can no longer fail
+        validation in `add_request`.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -181,7 +216,22 @@ class Engine:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids contains {bad_stop[0]}, outside the vocabulary [0, {self.vocab_size})")
+        return PreparedRequest(ids, params)
+
+    def add_request(self, prompt: str | Seq[int] | PreparedRequest, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate (unless `prompt` is already a `PreparedRequest`) and queue a request; returns its
+        id. Raises before changing any state."""
+        if isinstance(prompt, PreparedRequest):
+            if params is not None:
+                raise TypeError("a PreparedRequest carries its own params: do not pass params as well")
+            prepared = prompt
+        else:
+            prepared = self.prepare(prompt, params)
+        ids, params = prepared.prompt_token_ids, prepared.params
         request_id = request_id if request_id is not None else str(next(self._request_ids))
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = next(self._arrivals)
@@ -218,34 +268,132 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Response]:
-        """Run one SplitFuse step; return a delta per sequence that produced a token or finished."""
+        """Run one SplitFuse step; return a delta per sequence that produced a token or finished.
+
+        A failure that only some requests' rows meet (in the model, the sampler, the detokenizer)
+        ends those requests with `RequestFailed` (see `pop_failures`) and the step goes on for the
+        others. Faults of the engine itself (a dead tensor-parallel rank, device OOM) raise.
+        """
         batch = self.scheduler.schedule()
         if not batch.chunks:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are pending (KV cache too small?)")
             return []
         started = time.perf_counter()
-        host = build_host_inputs(batch.chunks, self.block_manager)
-        if self.tp_group is not None:
-            logits = self.tp_group.run_step(host, self.runner.execute)
-        else:
-            logits = self.runner.execute(host)
+        chunks, logits = self._forward(batch.chunks)
         to_sample = []
-        for seq, num_new in batch.chunks:
+        for seq, num_new in chunks:
             seq.num_computed_tokens += num_new
             if seq.num_computed_tokens == seq.num_tokens:
                 to_sample.append(seq)
                 if seq.children and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                    self.scheduler.fork_children(seq)
-        if not to_sample:
+                    self._isolated(seq, "starting its n choices", self.scheduler.fork_children, seq)
+        live = [row for row, seq in enumerate(to_sample) if not seq.is_finished]
+        if not live:
             self._count_step(started)  # on a GPU without the sync, the next step's time absorbs this one's
             return []
-        tokens, logprobs = self._sample(logits, to_sample)
+        if len(live) < len(to_sample):
+            to_sample = [to_sample[row] for row in live]
+            logits = logits[torch.tensor(live, device=logits.device)]
+        tokens, logprobs = self._sample_isolated(logits, to_sample)
         outputs = []
-        for row, (seq, token) in enumerate(zip(to_sample, tokens)):
-            outputs.append(self._append_token(seq, token, None if logprobs is None else logprobs[row]))
+        for seq, token, row_logprobs in zip(to_sample, tokens, logprobs):
+            if token is None or seq.is_finished:  # its request failed in this step
+                continue
+            delta = self._isolated(seq, "detokenizing", self._append_token, seq, token, row_logprobs)
+            if delta is not None:
+                outputs.append(delta)
         self._count_step(started)
         return outputs
+
+    def pop_failures(self) -> dict[str, RequestFailed]:
+        """Requests that failed inside the engine since the last call: id -> error. They are already
+        gone from the engine (blocks freed); whoever waits on them should get the error."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def _execute(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+        host = build_host_inputs(chunks, self.block_manager)
+        if self.tp_group is not None:
+            return self.tp_group.run_step(host, self.runner.execute)
+        return self.runner.execute(host)
+
+    def _forward(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], torch.Tensor]:
+        """The model over `chunks`: the chunks that ran and their logits (rows of chunks that end
+        their sequence). When the batch fails, each chunk is rerun alone to find the requests that
+        cause it; rerunning is safe because a step only writes its own tokens' KV slots."""
+        try:
+            return chunks, self._execute(chunks)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            if self.tp_group is not None:
+                raise  # the ranks may be mid-collective: the group is not in a state to retry
+            failure = exc
+        logger.warning("engine step over %d chunks failed (%s: %s); rerunning them one by one",
+                       len(chunks), type(failure).__name__, failure)
+        kept, rows = [], []
+        for seq, num_new in chunks:
+            if seq.is_finished:
+                continue
+            try:
+                logits = self._execute([(seq, num_new)])
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:
+                self._fail_request(seq.request_id, exc, "running the model")
+                # Its full blocks were registered as cached prefixes before their KV was written.
+                self.block_manager.reset_prefix_cache()
+                continue
+            kept.append((seq, num_new))
+            rows.append(logits)
+        # A request with several sequences may have failed after an earlier one ran.
+        pairs = [(chunk, row) for chunk, row in zip(kept, rows) if not chunk[0].is_finished]
+        logits_rows = [row for _, row in pairs if row.shape[0]]
+        width = self.model_config.vocab_size
+        logits = torch.cat(logits_rows) if logits_rows else torch.empty(0, width, device=self.device)
+        return [chunk for chunk, _ in pairs], logits
+
+    def _sample_isolated(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """`_sample` for the batch; if it fails, row by row, failing only the rows' requests that fail."""
+        try:
+            return self._sample(logits, seqs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            if len(seqs) == 1:
+                self._fail_request(seqs[0].request_id, exc, "sampling")
+                return [None], [None]
+            logger.warning("sampling %d rows failed (%s: %s); sampling them one by one",
+                           len(seqs), type(exc).__name__, exc)
+        tokens, logprobs = [], []
+        for row, seq in enumerate(seqs):
+            result = self._isolated(seq, "sampling", self._sample, logits[row:row + 1], [seq])
+            tokens.append(None if result is None else result[0][0])
+            logprobs.append(None if result is None or result[1] is None else result[1][0])
+        return tokens, logprobs
+
+    def _isolated(self, seq: Sequence, what: str, fn, *args):
+        """`fn(*args)`; an error fails `seq`'s request (None is returned) instead of the step."""
+        try:
+            return fn(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            self._fail_request(seq.request_id, exc, what)
+            return None
+
+    def _fail_request(self, request_id: str, exc: BaseException, what: str) -> None:
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+        failure = RequestFailed(f"request {request_id} failed in the engine while {what}: {type(exc).__name__}: {exc}")
+        failure.__cause__ = exc
+        self._failures[request_id] = failure
+        logger.error("%s", failure, exc_info=exc)
 
     def _count_step(self, started: float) -> None:
         self._num_steps += 1
@@ -282,7 +430,7 @@ class Engine:
         out = self.sampler(logits, md, raw_logits=raw_logits)
         tokens = out.sampled_token_ids.tolist()
         if out.logprobs is None:
-            return tokens, None
+            return tokens, [None] * len(tokens)
         lp, ids = out.logprobs.tolist(), out.logprob_token_ids.tolist()
         rows = []
         for seq, lp_row, id_row in zip(seqs, lp, ids):
@@ -382,3 +530,14 @@ class Engine:
             self.tp_group = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _max_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` can stand for (at least 1), from its vocabulary.
+
+    A vocabulary entry spells its token in the tokenizer's own alphabet (byte-level BPE: one
+    character per byte; SentencePiece: byte-fallback entries like `<0xE2>` are longer than the
+    byte they stand for), so its length bounds the characters of text the token covers.
+    """
+    vocab = tokenizer.get_vocab()
+    return max(1, max((len(piece) for piece in vocab), default=1))

@@ -13,17 +13,23 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Future, InvalidStateError, TimeoutError as FutureTimeout
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 from fastgen.distributed import TensorParallelError
-from fastgen.engine import Engine
+from fastgen.engine import Engine, PreparedRequest, RequestFailed
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("fastgen")
 
 _DONE = object()
+
+__all__ = ["EngineLoop", "RequestFailed", "RequestStream"]
+
+TOKENIZER_THREADS = 4
+"""Threads that tokenize `submit_async` prompts, so neither an event loop nor the engine thread
+ever spends time in the tokenizer (fast tokenizers release the GIL while they encode)."""
 
 
 class RequestStream:
@@ -72,34 +78,21 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._stopped = threading.Event()
+        self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="fastgen-tokenize")
         self.fatal_error: BaseException | None = None
         """Set when the engine can never step again (a tensor-parallel rank died); the loop then stops."""
         self._thread = threading.Thread(target=self._run, name="fastgen-engine-loop", daemon=True)
         self._thread.start()
 
     def submit(self, prompt: Any, params: SamplingParams | None = None) -> RequestStream:
-        """Queue a request; raises here (ValueError/TypeError) if the engine rejects it."""
-        deltas: queue.SimpleQueue = queue.SimpleQueue()
-        return self._add(prompt, params, deltas.put, deltas)
+        """Queue a request; raises here (ValueError/TypeError) if the engine rejects it.
 
-    def submit_async(self, prompt: Any, params: SamplingParams | None = None) -> RequestStream:
-        """Like `submit`, for asyncio code: iterate the result with `async for`.
-
-        Must be called from a running event loop; the call blocks that loop only for the engine's
-        validation (at most one step).
+        The prompt is tokenized and validated on the calling thread; the engine thread only queues it.
         """
-        aio_loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue = asyncio.Queue()
-        return self._add(prompt, params, lambda item: aio_loop.call_soon_threadsafe(deltas.put_nowait, item), deltas)
-
-    def _add(self, prompt: Any, params: SamplingParams | None, deliver: Callable[[Any], None], source: Any) -> RequestStream:
-        if self.fatal_error is not None:
-            raise RuntimeError(f"the engine failed: {self.fatal_error}")
-        if self._stopped.is_set():
-            raise RuntimeError("the engine loop is shut down")
-        params = params or SamplingParams()
-        future: Future = Future()
-        self._commands.put(("add", prompt, params, deliver, source, future))
+        self._check_running()
+        prepared = self.engine.prepare(prompt, params)
+        deltas: queue.SimpleQueue = queue.SimpleQueue()
+        future = self._add(prepared, deltas.put, deltas)
         while True:
             try:
                 return future.result(timeout=0.5)
@@ -107,6 +100,32 @@ class EngineLoop:
                 # The loop may have stopped between our check and the put: nobody would answer.
                 if not self._thread.is_alive():
                     self._fail_pending()
+
+    async def submit_async(self, prompt: Any, params: SamplingParams | None = None) -> RequestStream:
+        """Like `submit`, for asyncio code: `stream = await loop.submit_async(...)`, then `async for`.
+
+        Tokenizing runs on the loop's tokenizer threads and acceptance is awaited, so the event loop
+        is never blocked, however long the prompt or the current engine step.
+        """
+        self._check_running()
+        aio_loop = asyncio.get_running_loop()
+        prepared = await aio_loop.run_in_executor(self._tokenizers, self.engine.prepare, prompt, params)
+        deltas: asyncio.Queue = asyncio.Queue()
+        future = self._add(prepared, lambda item: aio_loop.call_soon_threadsafe(deltas.put_nowait, item), deltas)
+        return await asyncio.wrap_future(future)
+
+    def _check_running(self) -> None:
+        if self.fatal_error is not None:
+            raise RuntimeError(f"the engine failed: {self.fatal_error}")
+        if self._stopped.is_set():
+            raise RuntimeError("the engine loop is shut down")
+
+    def _add(self, prepared: PreparedRequest, deliver: Callable[[Any], None], source: Any) -> Future:
+        future: Future = Future()
+        self._commands.put(("add", prepared, deliver, source, future))
+        if self._stopped.is_set():  # the loop may have drained its queue for the last time already
+            self._fail_pending()
+        return future
 
     def abort(self, request_id: str) -> None:
         """Cancel a request from any thread; unknown or finished ids are ignored."""
@@ -117,6 +136,7 @@ class EngineLoop:
         if not self._stopped.is_set():
             self._commands.put(("stop",))
             self._thread.join(timeout)
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         while not self._stopped.is_set():
@@ -132,18 +152,26 @@ class EngineLoop:
                 continue
             try:
                 deltas = self.engine.step()
-            except Exception as exc:  # a failed step must not kill the loop: fail its requests, serve on
+            except Exception as exc:  # an engine fault: the step's requests cannot go on, the loop serves on
                 logger.exception("engine step failed; aborting the running requests")
-                for request_id in list(self._streams):
-                    self.engine.abort(request_id)
-                    self._close(request_id, exc)
                 if isinstance(exc, TensorParallelError):
+                    error: BaseException = exc
                     # No later step can succeed: stop, so the deployment reports it and exits.
                     self.fatal_error = exc
                     self._stopped.set()
+                else:
+                    # A server error for every victim, whatever the exception's type: never a caller's
+                    # "invalid argument".
+                    error = RequestFailed(f"the engine step failed: {type(exc).__name__}: {exc}")
+                    error.__cause__ = exc
+                for request_id in list(self._streams):
+                    self.engine.abort(request_id)
+                    self._close(request_id, error)
                 continue
             for delta in deltas:
                 self._route(delta)
+            for request_id, failure in self.engine.pop_failures().items():
+                self._close(request_id, failure)
         self._fail_pending()
 
     def _fail_pending(self) -> None:
@@ -164,13 +192,15 @@ class EngineLoop:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, prompt, params, deliver, source, future = command
+            _, prepared, deliver, source, future = command
+            if future.done():  # answered by `_fail_pending` on another thread
+                return
             try:
-                request_id = self.engine.add_request(prompt, params)
+                request_id = self.engine.add_request(prepared)
             except Exception as exc:
                 future.set_exception(exc)
                 return
-            stream = RequestStream(self, request_id, params.n, deliver, source)
+            stream = RequestStream(self, request_id, prepared.params.n, deliver, source)
             self._streams[request_id] = stream
             future.set_result(stream)
         elif kind == "abort":

@@ -161,7 +161,8 @@ class SamplingMetadata:
         for i, (p, gen) in enumerate(zip(params, generators)):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"params[{i}] must be SamplingParams, got {type(p).__name__}")
-            if p.seed is not None and gen is None:
+            # A seed only matters to sampled rows: greedy rows take the argmax (vLLM and HF agree).
+            if p.seed is not None and gen is None and not p.greedy:
                 raise ValueError(f"row {i} has seed={p.seed} but no generator: pass "
                                  f"make_generator(seed, device) made once for the request")
             if gen is not None and not _same_device(gen.device, device):

@@ -71,7 +71,7 @@ def test_abort_frees_blocks_and_ends_stream(loop):
 
 def test_asyncio_clients(loop, tiny_checkpoints):
     async def one(prompt):
-        stream = loop.submit_async(prompt, SamplingParams(do_sample=False, max_new_tokens=6))
+        stream = await loop.submit_async(prompt, SamplingParams(do_sample=False, max_new_tokens=6))
         return [t async for delta in stream for t in delta.token_ids]
 
     async def main():
