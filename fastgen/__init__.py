@@ -32,12 +32,15 @@ def serve(model_name_or_path: str | None = None, **config: Any) -> "Client":
     return _serve(model_name_or_path, **config)
 
 
-def client(deployment_name_or_address: str, *, asynchronous: bool = False) -> "Client | AsyncClient":
+def client(deployment_name_or_address: str, *, asynchronous: bool = False, api_key: str | None = None,
+           tls_root_cert: str | None = None) -> "Client | AsyncClient":
     """Connect to a running deployment by name (this machine) or 'host:port'; `asynchronous=True`
-    returns an `AsyncClient`."""
+    returns an `AsyncClient`. `api_key` (default: `FASTGEN_API_KEY`) is sent on every call;
+    `tls_root_cert` is the certificate file to verify a TLS server against."""
     from fastgen.serving.client import client as _client
 
-    return _client(deployment_name_or_address, asynchronous=asynchronous)
+    return _client(deployment_name_or_address, asynchronous=asynchronous, api_key=api_key,
+                   tls_root_cert=tls_root_cert)
 
 
 __all__ = ["DEMO_MODEL_DIR", "Engine", "EngineConfig", "Pipeline", "Response", "SamplingParams", "explain", "plan_deployment", "pipeline", "client", "serve", "serve_torchrun_rank"]

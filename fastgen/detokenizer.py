@@ -115,8 +115,9 @@ class StopStringMatcher:
     never receives text that is later cut. The earliest occurrence wins; `stop_string` names it.
     """
 
-    def __init__(self, stop: Sequence[str] | str = ()) -> None:
-        """Match the given stop strings; a bare string is one stop string."""
+    def __init__(self, stop: Sequence[str] | str = (), include_stop: bool = False) -> None:
+        """Match the given stop strings; a bare string is one stop string. With `include_stop` the
+        matched stop string is kept at the end of the text."""
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, Sequence):
             raise TypeError(f"stop must be a str or a sequence of str, got {type(stop).__name__}")
@@ -130,6 +131,7 @@ class StopStringMatcher:
         self._first_chars = frozenset(s[0] for s in self._stops)
         self._pending = ""
         self._chunks: list[str] = []
+        self._include_stop = include_stop
         self.stop_string: str | None = None
         """The stop string that matched, or None while none has."""
 
@@ -160,6 +162,8 @@ class StopStringMatcher:
             self._pending = buf[cut:]
         else:
             self._pending = ""
+            if self._include_stop:
+                cut += len(self.stop_string)
         emit = buf[:cut]
         if emit:
             self._chunks.append(emit)
@@ -196,10 +200,12 @@ class TextStream:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] | str = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
-        """Stream the text of tokens generated after `prompt_token_ids`, stopping at `stop`."""
+        """Stream the text of tokens generated after `prompt_token_ids`, stopping at `stop` (cut
+        before it, or after it with `include_stop`)."""
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
-        self._matcher = StopStringMatcher(stop)
+        self._matcher = StopStringMatcher(stop, include_stop)
 
     def append(self, token_id: int) -> tuple[str, bool]:
         """Add one generated token; return `(delta_to_emit, stopped)`."""

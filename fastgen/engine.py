@@ -36,7 +36,7 @@ from fastgen.sampler import Sampler, SamplingMetadata, make_generator
 from fastgen.sampling_params import SamplingParams
 from fastgen.scheduler import Scheduler
 from fastgen.sequence import Sequence, SequenceStatus
-from fastgen.step_inputs import build_host_inputs
+from fastgen.step_inputs import build_host_inputs, prompt_logit_positions
 
 logger = logging.getLogger("fastgen")
 
@@ -59,9 +59,11 @@ class PreparedRequest:
     """
 
     prompt_token_ids: list[int]
-    """The prompt's token ids."""
+    """The prompt's token ids (after `truncate_prompt_tokens`)."""
     params: SamplingParams
     """The request's validated generation parameters."""
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    """Token sequences of `params.bad_words` (each word alone and after a space)."""
 
 
 def _stop_group(group: TensorParallelGroup, num_threads: int) -> None:
@@ -207,16 +209,34 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self.encode_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         max_len = min(params.max_length or self.max_model_len, self.max_model_len)
         if len(ids) >= max_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_length is {max_len}: nothing is left to generate "
                 f"(the engine holds at most {self.max_model_len} tokens per sequence)"
             )
-        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids contains {bad_stop[0]}, outside the vocabulary [0, {self.vocab_size})")
-        return PreparedRequest(ids, params)
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids),
+                                ("logit_bias", tuple(params.logit_bias or ())),
+                                ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in token_ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        return PreparedRequest(ids, params, self._bad_words_ids(params.bad_words))
+
+    def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's tokens at the start of a text and after a space (vLLM's rule: the spaced
+        form counts only when it is a different first token and the same number of tokens)."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if bare and bare not in out:
+                out.append(bare)
+            if bare and spaced and spaced[0] != bare[0] and len(spaced) == len(bare) and spaced not in out:
+                out.append(spaced)
+        return tuple(out)
 
     def add_request(self, prompt: str | Seq[int] | PreparedRequest, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -240,7 +260,9 @@ class Engine:
             seed = None if params.seed is None else (params.seed + 7919 * index) % (2**63)
             seq = Sequence(next(self._seq_ids), request_id, ids, params, arrival, index,
                            make_generator(seed, self.device) if not params.greedy else None)
-            seq.stream = TextStream(self.tokenizer, ids, params.stop)
+            seq.stream = TextStream(self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                                    include_stop=params.include_stop_str_in_output)
+            seq.bad_words_ids = prepared.bad_words_ids
             seqs.append(seq)
         # The other choices start once the first has computed the prompt, sharing its KV blocks.
         seqs[0].children = seqs[1:]
@@ -281,6 +303,7 @@ class Engine:
             return []
         started = time.perf_counter()
         chunks, logits = self._forward(batch.chunks)
+        logits = self._take_prompt_logprobs(chunks, logits)
         to_sample = []
         for seq, num_new in chunks:
             seq.num_computed_tokens += num_new
@@ -354,6 +377,38 @@ class Engine:
         logits = torch.cat(logits_rows) if logits_rows else torch.empty(0, width, device=self.device)
         return [chunk for chunk, _ in pairs], logits
 
+    def _take_prompt_logprobs(self, chunks: list[tuple[Sequence, int]], logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs in this step's logits (see `prompt_logit_positions`); returns
+        the rows that are sampled."""
+        sample_rows, prompt_rows, owners = [], [], []
+        row = 0
+        for seq, num_new in chunks:
+            for position in prompt_logit_positions(seq, num_new):
+                prompt_rows.append(row)
+                owners.append((seq, position))
+                row += 1
+            if seq.num_computed_tokens + num_new == seq.num_tokens:
+                sample_rows.append(row)
+                row += 1
+        if not prompt_rows:
+            return logits
+        device = logits.device
+        scores = logits[torch.tensor(prompt_rows, device=device)].float().log_softmax(dim=-1)
+        targets = [seq.prompt_token_ids[position + 1] for seq, position in owners]
+        chosen = scores.gather(1, torch.tensor(targets, device=device).unsqueeze(1)).squeeze(1).tolist()
+        num_top = min(max(seq.params.prompt_logprobs for seq, _ in owners), scores.shape[1])
+        top_lp, top_ids = scores.topk(num_top, dim=-1) if num_top else (scores[:, :0], scores[:, :0].long())
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        for i, (seq, position) in enumerate(owners):
+            if len(seq.prompt_logprobs) != position + 1:
+                continue  # recomputed after a preemption: already recorded
+            entry = {targets[i]: chosen[i]}
+            n = seq.params.prompt_logprobs
+            for token_id, lp in zip(top_ids[i][:n], top_lp[i][:n]):
+                entry.setdefault(token_id, lp)
+            seq.prompt_logprobs.append(entry)
+        return logits[torch.tensor(sample_rows, device=device, dtype=torch.int64)]
+
     def _sample_isolated(self, logits: torch.Tensor, seqs: list[Sequence]):
         """`_sample` for the batch; if it fails, row by row, failing only the rows' requests that fail."""
         try:
@@ -420,14 +475,11 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Next token per sequence (one host sync), and per-row logprob dicts when asked."""
-        raw_logits = logits
-        logits = self._suppress_stop_tokens(logits, seqs)
-        params = [s.params for s in seqs]
         md = SamplingMetadata.build(
-            params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            [s.generator for s in seqs], self.vocab_size, self.device,
+            [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+            [s.generator for s in seqs], self.vocab_size, self.device, self._banned_tokens(seqs),
         )
-        out = self.sampler(logits, md, raw_logits=raw_logits)
+        out = self.sampler(logits, md)
         tokens = out.sampled_token_ids.tolist()
         if out.logprobs is None:
             return tokens, [None] * len(tokens)
@@ -438,23 +490,22 @@ class Engine:
             rows.append(None if n is None else dict(zip(id_row[: 1 + n], lp_row[: 1 + n])))
         return tokens, rows
 
-    def _suppress_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """`logits` with EOS and stop token ids masked for sequences below `min_new_tokens` (a copy
-        when anything is masked, so logprobs still describe the model's own distribution)."""
-        rows, cols = [], []
-        for row, seq in enumerate(seqs):
+    def _banned_tokens(self, seqs: list[Sequence]) -> list[list[int]] | None:
+        """Per row, the ids it may not generate now: EOS and stop ids below `min_new_tokens`, and the
+        token that would complete a bad word. None when no row bans anything."""
+        banned: list[list[int]] = []
+        for seq in seqs:
             p = seq.params
-            if len(seq.output_token_ids) >= p.min_new_tokens:
-                continue
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-            for token in banned:
-                if token < logits.shape[1]:
-                    rows.append(row)
-                    cols.append(token)
-        if rows:
-            logits = logits.clone()
-            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
-        return logits
+            row: list[int] = []
+            if len(seq.output_token_ids) < p.min_new_tokens:
+                row.extend(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+            output = seq.output_token_ids
+            for word in seq.bad_words_ids:
+                prefix = len(word) - 1
+                if prefix == 0 or (len(output) >= prefix and tuple(output[-prefix:]) == word[:-1]):
+                    row.append(word[-1])
+            banned.append(row)
+        return banned if any(banned) else None
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> Response:
         """Add a sampled token, update text, apply stop rules; returns the delta."""
@@ -494,6 +545,8 @@ class Engine:
             finish_reason=seq.finish_reason if seq.status is SequenceStatus.FINISHED else "none",
             token_ids=token_ids,
             logprobs=None if logprobs is None else [logprobs],
+            # The prompt's logprobs ride on the first delta of the choice that computed them.
+            prompt_logprobs=seq.prompt_logprobs if len(seq.output_token_ids) == 1 and token_ids else None,
             index=seq.index,
             num_cached_tokens=seq.num_cached_prompt_tokens,
             request_id=seq.request_id,
@@ -511,6 +564,7 @@ class Engine:
             finish_reason=seq.finish_reason or "none",
             token_ids=list(seq.output_token_ids),
             logprobs=seq.logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
             index=seq.index,
             num_cached_tokens=seq.num_cached_prompt_tokens,
             request_id=seq.request_id,

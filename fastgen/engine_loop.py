@@ -114,6 +114,11 @@ class EngineLoop:
         future = self._add(prepared, lambda item: aio_loop.call_soon_threadsafe(deltas.put_nowait, item), deltas)
         return await asyncio.wrap_future(future)
 
+    @property
+    def stopped(self) -> bool:
+        """True once the loop no longer takes requests (shut down, or the engine failed for good)."""
+        return self._stopped.is_set()
+
     def _check_running(self) -> None:
         if self.fatal_error is not None:
             raise RuntimeError(f"the engine failed: {self.fatal_error}")

@@ -25,6 +25,10 @@ class Response:
     """Generated token ids (this delta's while streaming)."""
     logprobs: list[dict[int, float]] | None = None
     """Per generated token, {token_id: logprob} for the chosen token and the top-N, if asked."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With `prompt_logprobs`: per prompt token, {token_id: logprob} for the prompt's own token and
+    the top-N (None for the first token, which nothing predicts). On the final response, and on the
+    first delta of choice 0 while streaming."""
     index: int = 0
     """Which of the request's `n` completions this is."""
     prompt_index: int = 0

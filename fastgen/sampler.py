@@ -2,8 +2,8 @@
 
 One step's rows can each carry different `SamplingParams`. The host turns them into a few small
 tensors once per step (`SamplingMetadata.build`); `Sampler` then runs only tensor ops on the device,
-in Hugging Face `generate`'s order: repetition penalty, presence/frequency penalties, temperature,
-top-k, top-p, sample. Sampling is an exponential race (`argmax(probs / Exponential(1))`), which
+in Hugging Face `generate`'s order after OpenAI's logit bias and the token masks (allowed ids, banned
+ids): repetition penalty, presence/frequency penalties, temperature, top-k, top-p, min-p, sample. Sampling is an exponential race (`argmax(probs / Exponential(1))`), which
 draws exactly from `probs` without `torch.multinomial`'s sync. Greedy rows take the argmax of the
 penalised logits.
 """
@@ -129,16 +129,31 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     """Largest `logprobs` asked for by any row (0 = chosen token only); None when no row asked."""
 
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
+    """(rows, token ids, biases) added to the logits first; None when no row has a bias."""
+
+    allowed_mask: Tensor | None = None
+    """[S, V] bool, True where a token may be generated (all True for rows without a list); None
+    when no row restricts its tokens."""
+
+    banned: tuple[Tensor, Tensor] | None = None
+    """(rows, token ids) set to -inf: bad words, and EOS/stop ids before `min_new_tokens`."""
+
+    min_p: Tensor | None = None
+    """[S] fp32, 0 = off (also for greedy rows). None unless some sampled row uses min_p."""
+
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], generators: list[torch.Generator | None],
-              vocab_size: int, device: torch.device | str) -> SamplingMetadata:
+              vocab_size: int, device: torch.device | str,
+              banned_token_ids: list[list[int]] | None = None) -> SamplingMetadata:
         """Turn one step's per-row parameters and token histories into device tensors.
 
         `prompt_token_ids[i]`/`output_token_ids[i]` are row i's prompt and generated ids (read only
         for rows with penalties); `generators[i]` is row i's `make_generator(seed)` (None when
-        unseeded; ignored for greedy rows). Host work only: the copies to the device are
-        asynchronous.
+        unseeded; ignored for greedy rows); `banned_token_ids[i]` are ids row i must not generate
+        this step (bad words' next tokens, EOS before `min_new_tokens`). Host work only: the copies
+        to the device are asynchronous.
         """
         device = torch.device(device)
         num_seqs = len(params)
@@ -215,6 +230,34 @@ class SamplingMetadata:
         def maybe(flag: bool, data: list, dtype: torch.dtype) -> Tensor | None:
             return _to_device(data, dtype, device) if flag else None
 
+        bias_rows, bias_ids, bias_values = [], [], []
+        for i, p in enumerate(params):
+            for token_id, value in (p.logit_bias or {}).items():
+                if token_id < vocab_size:
+                    bias_rows.append(i)
+                    bias_ids.append(token_id)
+                    bias_values.append(value)
+        logit_bias = None
+        if bias_rows:
+            logit_bias = (_to_device(bias_rows, torch.int64, device), _to_device(bias_ids, torch.int64, device),
+                          _to_device(bias_values, torch.float32, device))
+        allowed_mask = None
+        if any(p.allowed_token_ids is not None for p in params):
+            allowed = [list(range(vocab_size)) if p.allowed_token_ids is None else list(p.allowed_token_ids)
+                       for p in params]
+            allowed_mask = torch.zeros(num_seqs, vocab_size + 1, dtype=torch.bool, device=device)
+            allowed_mask.scatter_(1, _padded_ids(allowed, vocab_size, device), True)
+            allowed_mask = allowed_mask[:, :vocab_size]
+        banned = None
+        if banned_token_ids is not None:
+            if len(banned_token_ids) != num_seqs:
+                raise ValueError(f"banned_token_ids has {len(banned_token_ids)} rows but params has {num_seqs}")
+            rows = [i for i, ids in enumerate(banned_token_ids) for t in ids if t < vocab_size]
+            cols = [t for ids in banned_token_ids for t in ids if t < vocab_size]
+            if rows:
+                banned = (_to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device))
+        min_p = [0.0 if p.greedy else p.min_p for p in params]
+
         return cls(
             num_seqs=num_seqs, vocab_size=vocab_size, device=device,
             all_greedy=all_greedy, all_random=all_random,
@@ -230,6 +273,8 @@ class SamplingMetadata:
             prompt_token_mask=prompt_token_mask, output_token_counts=output_token_counts,
             seeded_rows=tuple(seeded_rows), seeded_generators=tuple(seeded_generators),
             any_unseeded=any_unseeded, max_num_logprobs=max_num_logprobs,
+            logit_bias=logit_bias, allowed_mask=allowed_mask, banned=banned,
+            min_p=maybe(any(m > 0.0 for m in min_p), min_p, torch.float32),
         )
 
 
@@ -309,6 +354,13 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(scores: Tensor, metadata: SamplingMetadata) -> Tensor:
+        if metadata.logit_bias is not None:
+            rows, ids, values = metadata.logit_bias
+            scores.index_put_((rows, ids), values, accumulate=True)
+        if metadata.allowed_mask is not None:
+            scores.masked_fill_(~metadata.allowed_mask, float("-inf"))
+        if metadata.banned is not None:
+            scores.index_put_(metadata.banned, torch.tensor(float("-inf"), device=scores.device))
         if not metadata.any_penalties:
             return scores
         counts = metadata.output_token_counts
@@ -331,6 +383,8 @@ class Sampler:
             scores = _apply_top_k(scores, metadata.top_k, metadata.max_top_k)
         if metadata.any_top_p:
             scores = _apply_top_p(scores, metadata.top_p)
+        if metadata.min_p is not None:
+            scores = _apply_min_p(scores, metadata.min_p)
         return scores
 
     @staticmethod
@@ -368,3 +422,11 @@ def _apply_top_p(scores: Tensor, top_p: Tensor) -> Tensor:
     remove_sorted[:, -1] = False
     remove = remove_sorted.scatter(1, sorted_ids, remove_sorted)
     return scores.masked_fill_(remove, float("-inf"))
+
+
+def _apply_min_p(scores: Tensor, min_p: Tensor) -> Tensor:
+    """Hugging Face's `MinPLogitsWarper` per row: drop tokens whose probability is below min_p times
+    the top token's; rows with min_p = 0 are untouched."""
+    probs = scores.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return scores.masked_fill_(probs < threshold, float("-inf"))

@@ -142,6 +142,46 @@ class SamplingParams:
     n: int = 1
     """Number of completions to generate for the prompt (1..64)."""
 
+    prompt_logprobs: int | None = None
+    """None = none; N (<= 20) = the logprob of every prompt token after the first under the model,
+    plus the top-N tokens at each position (vLLM's `prompt_logprobs`; what OpenAI `echo` with
+    `logprobs` returns). Computed in the steps that prefill the prompt; such a request does not use
+    the prefix cache, since cached tokens have no logits."""
+
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's (after
+    temperature, top-k and top-p, Hugging Face's order); 0 = off."""
+
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias in [-100, 100] added to its logit before anything else (OpenAI's
+    `logit_bias`; keys may be digit strings, as JSON sends them). Greedy rows see it too."""
+
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Only these token ids may be generated (a non-empty list); None = all."""
+
+    bad_words: tuple[str, ...] = ()
+    """Words that are never generated: the tokens of each word (and of the word after a space) are
+    banned as a sequence, i.e. a word's last token is banned whenever its other tokens were just
+    generated (vLLM's `bad_words`)."""
+
+    skip_special_tokens: bool = True
+    """Leave special tokens (EOS, chat markers) out of the generated text."""
+
+    spaces_between_special_tokens: bool = True
+    """Join special tokens with spaces when they are kept in the text. The tokenizers fastgen loads
+    are fast tokenizers, whose decoding has no such option: both values give the tokenizer's own
+    text (as in vLLM with a fast tokenizer)."""
+
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text instead of cutting it off."""
+
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last k prompt tokens (>= 1); None = the whole prompt."""
+
+    priority: int = 0
+    """Scheduling priority: lower values are admitted first and preempted last; equal values are
+    first come, first served."""
+
     def __post_init__(self) -> None:
         if self.max_length is not None:
             self.max_length = _check_int("max_length", self.max_length)
@@ -189,17 +229,63 @@ class SamplingParams:
         self.n = _check_int("n", self.n)
         _check_range("n", self.n, 1, MAX_N)
 
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs)
+            _check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        self.min_p = _check_float("min_p", self.min_p)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            items = _check_sequence("allowed_token_ids", self.allowed_token_ids, "int")
+            if not items:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            checked = []
+            for i, item in enumerate(items):
+                token_id = _check_int(f"allowed_token_ids[{i}]", item)
+                _check_range(f"allowed_token_ids[{i}]", token_id, 0, None)
+                checked.append(token_id)
+            self.allowed_token_ids = tuple(checked)
+        self.bad_words = self._normalise_words("bad_words", self.bad_words)
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+            setattr(self, name, _check_bool(name, getattr(self, name)))
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            _check_range("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None)
+        self.priority = _check_int("priority", self.priority)
+        _check_range("priority", self.priority, -2**31, 2**31 - 1)
+
     @staticmethod
     def _normalise_stop(stop: Any) -> tuple[str, ...]:
-        if stop is None:
+        return SamplingParams._normalise_words("stop", stop)
+
+    @staticmethod
+    def _normalise_words(name: str, words: Any) -> tuple[str, ...]:
+        if words is None:
             return ()
-        items = (stop,) if isinstance(stop, str) else _check_sequence("stop", stop, "str")
+        items = (words,) if isinstance(words, str) else _check_sequence(name, words, "str")
         for i, item in enumerate(items):
             if not isinstance(item, str):
-                raise TypeError(f"stop[{i}] must be a str, got {type(item).__name__} ({item!r})")
+                raise TypeError(f"{name}[{i}] must be a str, got {type(item).__name__} ({item!r})")
             if not item:
-                raise ValueError(f"stop[{i}] must be a non-empty string, got ''")
+                raise ValueError(f"{name}[{i}] must be a non-empty string, got ''")
         return items
+
+    @staticmethod
+    def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+        out = {}
+        for key, value in bias.items():
+            if isinstance(key, str) and key.strip().isdigit():
+                key = int(key)
+            token_id = _check_int(f"logit_bias key {key!r}", key)
+            _check_range("logit_bias token id", token_id, 0, None)
+            value = _check_float(f"logit_bias[{token_id}]", value)
+            _check_range(f"logit_bias[{token_id}]", value, -100.0, 100.0)
+            out[token_id] = value
+        return out or None
 
     @staticmethod
     def _normalise_stop_token_ids(ids: Any) -> tuple[int, ...]:

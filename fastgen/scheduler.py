@@ -59,9 +59,17 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence (arrival order)."""
+        """Queue a new sequence: by priority (lower first), then arrival order."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        key = _order(seq)
+        # Mostly appends: scan from the back for the first sequence that goes before this one.
+        index = len(self.waiting)
+        while index > 0 and _order(self.waiting[index - 1]) > key:
+            index -= 1
+        self.waiting.insert(index, seq)
 
     def has_unfinished(self) -> bool:
         """True while any sequence waits or runs."""
@@ -72,8 +80,9 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.token_budget
         scheduled: set[int] = set()
-        # Decodes before chunks; among each, oldest first, so the newest is the one preempted.
-        running = sorted(self.running, key=lambda s: (s.num_pending_tokens > 1, s.arrival))
+        # Decodes before chunks; among each, most urgent (priority, then oldest) first, so the least
+        # urgent is the one preempted.
+        running = sorted(self.running, key=lambda s: (s.num_pending_tokens > 1, _order(s)))
         for seq in running:
             if budget == 0 or len(batch.chunks) == self.max_seqs:
                 break
@@ -97,7 +106,7 @@ class Scheduler:
         target = seq.num_computed_tokens + num_new
         while not self.block_manager.allocate(seq.seq_id, seq.token_ids, target):
             victims = [s for s in self.running if s.seq_id not in scheduled and s.status is SequenceStatus.RUNNING]
-            victim = max(victims, key=lambda s: s.arrival)
+            victim = max(victims, key=_order)
             self._preempt(victim, batch)
             if victim is seq:
                 return False
@@ -107,7 +116,8 @@ class Scheduler:
         """Start waiting sequences in arrival order while budget, seats and blocks last."""
         while self.waiting and budget > 0 and len(batch.chunks) < self.max_seqs:
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0:
+            # Cached tokens have no logits: a request for prompt logprobs computes its whole prompt.
+            if seq.num_computed_tokens == 0 and seq.prompt_logprobs is None:
                 cached = self.block_manager.match_prefix(seq.seq_id, seq.token_ids)
                 seq.num_computed_tokens = cached
                 if seq.num_preemptions == 0:
@@ -131,9 +141,9 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        # Back in arrival order (ahead of everything newer), so FCFS holds strictly even when an
-        # older sequence preempted itself earlier in the same step.
-        index = next((i for i, s in enumerate(self.waiting) if s.arrival > seq.arrival), len(self.waiting))
+        # Back in (priority, arrival) order, ahead of everything newer, so FCFS holds strictly even
+        # when an older sequence preempted itself earlier in the same step.
+        index = next((i for i, s in enumerate(self.waiting) if _order(s) > _order(seq)), len(self.waiting))
         self.waiting.insert(index, seq)
         batch.preempted.append(seq)
 
@@ -166,3 +176,8 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    """Scheduling order: lower priority value first, then first come, first served."""
+    return (seq.params.priority, seq.arrival)

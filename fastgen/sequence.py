@@ -29,7 +29,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "index", "arrival", "params", "prompt_token_ids", "output_token_ids",
         "num_computed_tokens", "status", "finish_reason", "generator", "logprobs", "stream", "text",
-        "children", "num_cached_prompt_tokens", "num_preemptions",
+        "children", "num_cached_prompt_tokens", "num_preemptions", "bad_words_ids", "prompt_logprobs",
     )
 
     def __init__(
@@ -54,6 +54,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.generator = generator
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # The first prompt token has nothing before it to predict it (None, as in vLLM and OpenAI).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None)
+        self.bad_words_ids: tuple[tuple[int, ...], ...] = ()
         self.stream: Any = None
         self.text = ""
         self.children: list[Sequence] = []

@@ -36,7 +36,9 @@ class HostStepInputs:
     block_tables: list[list[int]]
     """Block ids per sequence (ragged)."""
     logits_indices: list[int]
-    """Token rows whose logits are sampled (last token of chunks that end their sequence)."""
+    """Token rows whose logits are computed, per chunk in order: its `prompt_logit_positions`
+    (requests asking for prompt logprobs), then its last token if the chunk ends its sequence
+    (the row that is sampled)."""
 
     @property
     def num_tokens(self) -> int:
@@ -49,12 +51,23 @@ class HostStepInputs:
         return len(self.seq_lens)
 
 
+def prompt_logit_positions(seq: Sequence, num_new: int) -> range:
+    """Positions of a chunk (before it runs) whose logits score the next prompt token: only for the
+    sequence that collects the request's prompt logprobs."""
+    if seq.prompt_logprobs is None:
+        return range(0)
+    start = seq.num_computed_tokens
+    return range(start, min(start + num_new, seq.num_prompt_tokens - 1))
+
+
 def build_host_inputs(chunks: list[tuple[Sequence, int]], block_manager: BlockManager) -> HostStepInputs:
     """Flatten `(seq, num_new_tokens)` chunks into `HostStepInputs`."""
     bs = block_manager.block_size
     out = HostStepInputs([], [], [], [], [0], [], [])
     for seq, num_new in chunks:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        first_row = out.query_start_loc[-1]
+        out.logits_indices.extend(first_row + p - start for p in prompt_logit_positions(seq, num_new))
         table = block_manager.block_table(seq.seq_id)
         out.input_ids.extend(seq.token_ids[start:end])
         out.positions.extend(range(start, end))

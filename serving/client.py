@@ -3,7 +3,10 @@
 `Client` is blocking, `AsyncClient` has the same methods as coroutines. Generation parameters are
 checked here before anything is sent (the same TypeError/ValueError a pipeline raises); what the
 server rejects (a prompt too long, a token id outside the vocabulary) comes back as the same
-exception type with the server's message.
+exception type with the server's message. A missing or wrong API key is a PermissionError.
+
+`api_key` (default: the first key of `FASTGEN_API_KEY`) is sent as `authorization: Bearer KEY`
+on every call; `tls_root_cert` (a CA or self-signed certificate file) makes the connection TLS.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from fastgen.sampling_params import SamplingParams
 from fastgen.serving import registry
 from fastgen.serving.convert import merge_deltas, params_to_proto, prompts_to_proto, \
     response_from_completion
+from fastgen.serving.grpc_guard import auth_metadata, client_api_key, open_channel, read_pem
 from fastgen.serving.grpc_server import CHANNEL_OPTIONS, rejection
 from fastgen.serving.processes import connect_host, pid_alive, wait_until
 from fastgen.serving.proto import fastgen_v1_pb2 as pb
@@ -47,6 +51,9 @@ def _error(exc: grpc.RpcError, address: str) -> Exception:
     if rejected is not None:
         return rejected
     code, details = exc.code(), exc.details()
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return PermissionError(f"fastgen deployment at {address} refused the call: {details} "
+                               "(pass api_key= or set FASTGEN_API_KEY)")
     if code == grpc.StatusCode.UNAVAILABLE:
         return ConnectionError(f"fastgen deployment at {address} is unavailable: {details}")
     return RuntimeError(f"fastgen deployment at {address} failed the call ({code.name}): {details}")
@@ -96,15 +103,21 @@ def resolve(deployment_name_or_address: str) -> tuple[str, dict | None]:
 
 
 class Client:
-    """A blocking connection to a deployment. `client(prompts, **gen)` is `client.generate(...)`."""
+    """A blocking connection to a deployment. `client(prompts, **gen)` is `client.generate(...)`.
+
+    `api_key`: the key to present (default: the first of `FASTGEN_API_KEY`); `tls_root_cert`:
+    the certificate (file) to verify a TLS server against, None for plain TCP.
+    """
 
     def __init__(self, address: str, *, deployment_name: str | None = None, pid: int | None = None,
-                 process: subprocess.Popen | None = None) -> None:
+                 process: subprocess.Popen | None = None, api_key: str | None = None,
+                 tls_root_cert: str | None = None) -> None:
         self.address = address
         self.deployment_name = deployment_name
         self.pid = pid if pid is not None else (process.pid if process is not None else None)
         self._process = process
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._metadata = auth_metadata(client_api_key(api_key))
+        self._channel = open_channel(address, CHANNEL_OPTIONS, tls_root_cert)
         self._stub = pb_grpc.FastGenStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -118,7 +131,7 @@ class Client:
         if streaming_fn is None:
             request, with_logprobs = _request(prompts, gen)
             try:
-                reply = self._stub.Generate(request)
+                reply = self._stub.Generate(request, metadata=self._metadata)
             except grpc.RpcError as exc:
                 raise _error(exc, self.address) from None
             return [response_from_completion(c, with_logprobs) for c in reply.completions]
@@ -133,7 +146,7 @@ class Client:
     def stream(self, prompts: Any, **gen: Any) -> Iterator[Response]:
         """Yield deltas as the server produces them; closing the iterator early cancels the requests."""
         request, with_logprobs = _request(prompts, gen)
-        call = self._stub.GenerateStream(request)
+        call = self._stub.GenerateStream(request, metadata=self._metadata)
         try:
             for msg in call:
                 yield response_from_completion(msg, with_logprobs)
@@ -145,7 +158,7 @@ class Client:
     def tokenize(self, texts: str | list[str], add_special_tokens: bool = True) -> list[int] | list[list[int]]:
         """Token ids of a text (a list of ids), or of each text of a list."""
         try:
-            reply = self._stub.Tokenize(_tokenize_request(texts, add_special_tokens))
+            reply = self._stub.Tokenize(_tokenize_request(texts, add_special_tokens), metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _error(exc, self.address) from None
         ids = [list(t.ids) for t in reply.token_ids]
@@ -154,7 +167,7 @@ class Client:
     def model_info(self) -> dict[str, Any]:
         """Model, engine configuration and (behind a load balancer) each replica's state."""
         try:
-            return _message_dict(self._stub.ModelInfo(pb.ModelInfoRequest()))
+            return _message_dict(self._stub.ModelInfo(pb.ModelInfoRequest(), metadata=self._metadata))
         except grpc.RpcError as exc:
             raise _error(exc, self.address) from None
 
@@ -171,7 +184,7 @@ class Client:
     def terminate_server(self, timeout: float = 60.0) -> None:
         """Stop the deployment (every replica) and wait until its process is gone."""
         try:
-            self._stub.Terminate(pb.TerminateRequest(), timeout=10)
+            self._stub.Terminate(pb.TerminateRequest(), timeout=10, metadata=self._metadata)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
                 raise _error(exc, self.address) from None
@@ -206,18 +219,24 @@ class Client:
 
 
 class AsyncClient:
-    """The asyncio client: `await client.generate(...)`, `async for delta in client.stream(...)`."""
+    """The asyncio client: `await client.generate(...)`, `async for delta in client.stream(...)`;
+    `api_key` and `tls_root_cert` as for `Client`."""
 
-    def __init__(self, address: str, *, deployment_name: str | None = None, pid: int | None = None) -> None:
+    def __init__(self, address: str, *, deployment_name: str | None = None, pid: int | None = None,
+                 api_key: str | None = None, tls_root_cert: str | None = None) -> None:
         self.address = address
         self.deployment_name = deployment_name
         self.pid = pid
+        self._metadata = auth_metadata(client_api_key(api_key))
+        self._tls_root_cert = tls_root_cert
+        if tls_root_cert is not None:
+            read_pem("tls_root_cert", tls_root_cert)  # a bad file fails here, not on first use
         self._channel: grpc.aio.Channel | None = None
 
     def _stubs(self) -> tuple[pb_grpc.FastGenStub, health_pb2_grpc.HealthStub]:
         # Created on first use so the channel belongs to the event loop that uses it.
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = open_channel(self.address, CHANNEL_OPTIONS, self._tls_root_cert, asynchronous=True)
         return pb_grpc.FastGenStub(self._channel), health_pb2_grpc.HealthStub(self._channel)
 
     async def generate(self, prompts: Any, streaming_fn: Callable[[list[Response]], Any] | None = None,
@@ -226,7 +245,7 @@ class AsyncClient:
         if streaming_fn is None:
             request, with_logprobs = _request(prompts, gen)
             try:
-                reply = await self._stubs()[0].Generate(request)
+                reply = await self._stubs()[0].Generate(request, metadata=self._metadata)
             except grpc.RpcError as exc:
                 raise _error(exc, self.address) from None
             return [response_from_completion(c, with_logprobs) for c in reply.completions]
@@ -243,7 +262,7 @@ class AsyncClient:
     async def stream(self, prompts: Any, **gen: Any) -> AsyncIterator[Response]:
         """Yield deltas as they arrive; leaving the loop early (or cancelling the task) cancels the requests."""
         request, with_logprobs = _request(prompts, gen)
-        call = self._stubs()[0].GenerateStream(request)
+        call = self._stubs()[0].GenerateStream(request, metadata=self._metadata)
         try:
             async for msg in call:
                 yield response_from_completion(msg, with_logprobs)
@@ -255,7 +274,8 @@ class AsyncClient:
     async def tokenize(self, texts: str | list[str], add_special_tokens: bool = True) -> list[int] | list[list[int]]:
         """As `Client.tokenize`."""
         try:
-            reply = await self._stubs()[0].Tokenize(_tokenize_request(texts, add_special_tokens))
+            reply = await self._stubs()[0].Tokenize(_tokenize_request(texts, add_special_tokens),
+                                                    metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _error(exc, self.address) from None
         ids = [list(t.ids) for t in reply.token_ids]
@@ -264,7 +284,7 @@ class AsyncClient:
     async def model_info(self) -> dict[str, Any]:
         """As `Client.model_info`."""
         try:
-            return _message_dict(await self._stubs()[0].ModelInfo(pb.ModelInfoRequest()))
+            return _message_dict(await self._stubs()[0].ModelInfo(pb.ModelInfoRequest(), metadata=self._metadata))
         except grpc.RpcError as exc:
             raise _error(exc, self.address) from None
 
@@ -279,7 +299,7 @@ class AsyncClient:
     async def terminate_server(self, timeout: float = 60.0) -> None:
         """As `Client.terminate_server`."""
         try:
-            await self._stubs()[0].Terminate(pb.TerminateRequest(), timeout=10)
+            await self._stubs()[0].Terminate(pb.TerminateRequest(), timeout=10, metadata=self._metadata)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
                 raise _error(exc, self.address) from None
@@ -310,11 +330,17 @@ class AsyncClient:
         await self.close()
 
 
-def client(deployment_name_or_address: str, *, asynchronous: bool = False) -> Client | AsyncClient:
-    """Connect to a running deployment by its name (on this machine) or by 'host:port' (anywhere)."""
+def client(deployment_name_or_address: str, *, asynchronous: bool = False, api_key: str | None = None,
+           tls_root_cert: str | None = None) -> Client | AsyncClient:
+    """Connect to a running deployment by its name (on this machine) or by 'host:port' (anywhere).
+
+    `api_key` defaults to the first key of `FASTGEN_API_KEY`; `tls_root_cert` to the certificate
+    a local TLS deployment recorded (its own, right for a self-signed one), else plain TCP.
+    """
     address, record = resolve(deployment_name_or_address)
     name = record["name"] if record else None
     pid = record["pid"] if record else None
-    if asynchronous:
-        return AsyncClient(address, deployment_name=name, pid=pid)
-    return Client(address, deployment_name=name, pid=pid)
+    if tls_root_cert is None and record and record.get("tls_cert"):
+        tls_root_cert = record["tls_cert"]
+    options = dict(deployment_name=name, pid=pid, api_key=api_key, tls_root_cert=tls_root_cert)
+    return AsyncClient(address, **options) if asynchronous else Client(address, **options)

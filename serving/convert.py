@@ -40,11 +40,19 @@ def _repeated(name: str) -> bool:
     return pb.SamplingParams.DESCRIPTOR.fields_by_name[name].is_repeated
 
 
+_MAPS = frozenset(f.name for f in pb.SamplingParams.DESCRIPTOR.fields
+                  if f.message_type is not None and f.message_type.GetOptions().map_entry)
+"""SamplingParams fields that are proto maps (`logit_bias`)."""
+
+
 def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """A `SamplingParams` message -> validated SamplingParams; unset fields take the defaults."""
     kwargs: dict[str, Any] = {}
     for name in SamplingParams.field_names():
-        if _repeated(name):
+        if name in _MAPS:
+            if len(getattr(msg, name)):
+                kwargs[name] = dict(getattr(msg, name))
+        elif _repeated(name):
             if len(getattr(msg, name)):
                 kwargs[name] = list(getattr(msg, name))
         elif msg.HasField(name):
@@ -59,7 +67,9 @@ def params_to_proto(params: SamplingParams, fields: Iterable[str] | None = None)
         value = getattr(params, name)
         if value is None:
             continue
-        if _repeated(name):
+        if name in _MAPS:
+            getattr(msg, name).update(value)
+        elif _repeated(name):
             getattr(msg, name).extend(value)
         else:
             setattr(msg, name, value)
@@ -76,15 +86,19 @@ def completion_from_response(response: Response) -> pb.Completion:
     )
     for position in response.logprobs or ():
         msg.logprobs.add(token_ids=list(position), logprobs=list(position.values()))
+    for position in response.prompt_logprobs or ():
+        msg.prompt_logprobs.add(token_ids=list(position or ()), logprobs=list((position or {}).values()))
     return msg
 
 
 def response_from_completion(msg: pb.Completion, with_logprobs: bool) -> Response:
     """A `Completion` message -> Response (logprobs None unless the request asked for them)."""
     logprobs = [dict(zip(p.token_ids, p.logprobs)) for p in msg.logprobs] if with_logprobs else None
+    prompt_logprobs = [dict(zip(p.token_ids, p.logprobs)) or None for p in msg.prompt_logprobs] or None
     return Response(
         generated_text=msg.text, prompt_length=msg.prompt_length, generated_length=msg.generated_length,
-        finish_reason=msg.finish_reason, token_ids=list(msg.token_ids), logprobs=logprobs, index=msg.index,
+        finish_reason=msg.finish_reason, token_ids=list(msg.token_ids), logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, index=msg.index,
         prompt_index=msg.prompt_index, num_cached_tokens=msg.num_cached_tokens, request_id=msg.request_id,
     )
 
@@ -100,7 +114,7 @@ def merge_deltas(deltas: Iterable[Response]) -> list[Response]:
                 generated_text=delta.generated_text, prompt_length=delta.prompt_length,
                 generated_length=delta.generated_length, finish_reason=delta.finish_reason,
                 token_ids=list(delta.token_ids), logprobs=None if delta.logprobs is None else list(delta.logprobs),
-                index=delta.index, prompt_index=delta.prompt_index, num_cached_tokens=delta.num_cached_tokens,
+                prompt_logprobs=delta.prompt_logprobs, index=delta.index, prompt_index=delta.prompt_index, num_cached_tokens=delta.num_cached_tokens,
                 request_id=delta.request_id,
             )
             continue
@@ -108,6 +122,8 @@ def merge_deltas(deltas: Iterable[Response]) -> list[Response]:
         done.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             done.logprobs = (done.logprobs or []) + list(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            done.prompt_logprobs = delta.prompt_logprobs
         done.generated_length = delta.generated_length
         done.finish_reason = delta.finish_reason
         done.num_cached_tokens = delta.num_cached_tokens

@@ -4,8 +4,15 @@ A thread-pool server over one backend (a local engine loop or the replica router
 runs in its own worker thread and submits its prompts to the backend, whose engine batches them
 with everyone else's. When a call ends early (client cancelled, disconnected or past its
 deadline) gRPC runs the call's callback, which aborts its requests; the engine frees their KV
-blocks at its next step. Bad requests become INVALID_ARGUMENT with the error's message (which
-names the field) and a `fastgen-error-type` trailer; the server keeps serving.
+blocks at its next step.
+
+What a call passes first (`ServingLimits`): the API key (every method of both services when keys
+are set; health and reflection stay open), the message size, the prompts and `n` per request and
+the sequences in flight. Statuses: a request rejected at admission (a bad field, a prompt the
+engine refuses) is INVALID_ARGUMENT with the error's message (which names the field) and a
+`fastgen-error-type` trailer; a full server is RESOURCE_EXHAUSTED with a `retry-after-ms`
+trailer; a loading or stopped engine is UNAVAILABLE; a failure after admission (the engine failed
+the request mid-stream) is INTERNAL, never INVALID_ARGUMENT. The server keeps serving either way.
 """
 
 from __future__ import annotations
@@ -22,11 +29,15 @@ from google.protobuf import empty_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from fastgen.distributed import TensorParallelError
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.backend import Backend, BackendUnavailable, PromptsStream
 from fastgen.serving.convert import (completion_from_response, kwargs_from_mii, merge_deltas, params_from_proto,
                                      prompts_from_proto)
+from fastgen.serving.grpc_guard import RETRY_AFTER_KEY, ApiKeyInterceptor, Overloaded, PendingBudget, \
+    server_credentials
+from fastgen.serving.limits import ServingLimits
 from fastgen.serving.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
 from fastgen.serving.proto import modelresponse_pb2 as mii_pb
@@ -57,24 +68,27 @@ def rejection(call: grpc.Call) -> Exception | None:
     return TypeError(call.details()) if kind == "TypeError" else ValueError(call.details())
 
 
-def _fail(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
-    """End the call with the status that fits `exc` (raises, as `context.abort` does)."""
+def _reject(server: "GrpcServer", context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    """End a call refused at admission with the status that fits `exc` (raises, as `context.abort` does).
+
+    Only here does a ValueError/TypeError mean the client's request was wrong.
+    """
     if isinstance(exc, (ValueError, TypeError)):
         context.set_trailing_metadata(((ERROR_TYPE_KEY, type(exc).__name__),))
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    if isinstance(exc, BackendUnavailable):
-        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, Overloaded):
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(exc.retry_after_ms)),))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    _fail(server, context, exc)
+
+
+def _fail(server: "GrpcServer", context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    """End a call whose request failed after admission (or for a reason not the client's):
+    UNAVAILABLE when the engine cannot serve at all, INTERNAL otherwise, whatever the exception's type."""
+    if isinstance(exc, BackendUnavailable) or server.engine_stopped(exc):
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is not serving: {exc}")
     logger.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
-    context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-
-
-def _open(server: "GrpcServer", prompts: list, params: SamplingParams, context: grpc.ServicerContext,
-          field: str = "prompts") -> PromptsStream:
-    """Submit the call's prompts; the call's end (normal or cancelled) aborts what is left."""
-    stream = PromptsStream(server.backend(), prompts, params, field)
-    if not context.add_callback(stream.abort):
-        stream.abort()  # the call had already ended
-    return stream
+    context.abort(grpc.StatusCode.INTERNAL, f"the server failed the request: {type(exc).__name__}: {exc}")
 
 
 class FastGenServicer(pb_grpc.FastGenServicer):
@@ -86,25 +100,32 @@ class FastGenServicer(pb_grpc.FastGenServicer):
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
         """Every completion of every prompt, once all are finished."""
         try:
-            prompts, params = prompts_from_proto(request.prompts), params_from_proto(request.params)
-            completions = merge_deltas(_open(self._server, prompts, params, context))
+            stream, done = self._server.admit(prompts_from_proto(request.prompts), params_from_proto(request.params),
+                                              context)
         except Exception as exc:
-            _fail(context, exc)
-        return pb.GenerateResponse(completions=[completion_from_response(r) for r in completions])
+            _reject(self._server, context, exc)
+        try:
+            return pb.GenerateResponse(completions=[completion_from_response(r) for r in merge_deltas(stream)])
+        except Exception as exc:
+            _fail(self._server, context, exc)
+        finally:
+            done()
 
     def GenerateStream(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.Completion]:
         """Each completion's deltas as they are produced, interleaved across prompts and choices."""
         try:
-            prompts, params = prompts_from_proto(request.prompts), params_from_proto(request.params)
-            stream = _open(self._server, prompts, params, context)
+            stream, done = self._server.admit(prompts_from_proto(request.prompts), params_from_proto(request.params),
+                                              context)
         except Exception as exc:
-            _fail(context, exc)
-        context.send_initial_metadata(((REQUEST_IDS_KEY, ",".join(stream.request_ids)),))
+            _reject(self._server, context, exc)
         try:
+            context.send_initial_metadata(((REQUEST_IDS_KEY, ",".join(stream.request_ids)),))
             for delta in stream:
                 yield completion_from_response(delta)
         except Exception as exc:
-            _fail(context, exc)
+            _fail(self._server, context, exc)
+        finally:
+            done()
 
     def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
         """Token ids of each text, as the engine encodes a text prompt."""
@@ -113,7 +134,7 @@ class FastGenServicer(pb_grpc.FastGenServicer):
             special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             ids = [tokenizer.encode(text, add_special_tokens=special) for text in request.texts]
         except Exception as exc:
-            _fail(context, exc)
+            _reject(self._server, context, exc)
         return pb.TokenizeResponse(token_ids=[pb.TokenIds(ids=i) for i in ids])
 
     def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.ServicerContext) -> pb.ModelInfoResponse:
@@ -121,7 +142,7 @@ class FastGenServicer(pb_grpc.FastGenServicer):
         try:
             info = self._server.backend().model_info()
         except Exception as exc:
-            _fail(context, exc)
+            _fail(self._server, context, exc)
         info.deployment_name = self._server.deployment_name
         return info
 
@@ -154,35 +175,39 @@ class ModelResponseServicer(mii_grpc.ModelResponseServicer):
         self._server = server
 
     def _open(self, request: mii_pb.MultiStringRequest,
-              context: grpc.ServicerContext) -> tuple[PromptsStream, list[tuple[int, int]]]:
-        """The stream and its completions' (prompt_index, index) keys, prompt-major."""
+              context: grpc.ServicerContext) -> tuple[PromptsStream, Callable[[], None], list[tuple[int, int]]]:
+        """The admitted stream, its release and its completions' (prompt_index, index) keys, prompt-major."""
         if not request.request:
             raise ValueError("request is empty: send at least one prompt")
         params = SamplingParams.from_kwargs(**kwargs_from_mii(request.query_kwargs))
-        stream = _open(self._server, list(request.request), params, context, field="request")
-        return stream, [(p, c) for p in range(len(request.request)) for c in range(params.n)]
+        stream, done = self._server.admit(list(request.request), params, context, field="request")
+        return stream, done, [(p, c) for p in range(len(request.request)) for c in range(params.n)]
 
     def GeneratorReply(self, request: mii_pb.MultiStringRequest,
                        context: grpc.ServicerContext) -> mii_pb.MultiGenerationReply:
         """One reply per prompt (per prompt and choice with n > 1), in order."""
         started = time.perf_counter()
         try:
-            stream, _ = self._open(request, context)
-            accepted = time.perf_counter()
-            finals = merge_deltas(stream)
+            stream, done, _ = self._open(request, context)
         except Exception as exc:
-            _fail(context, exc)
-        replies = [_mii_reply(r, r.generated_text, started, accepted) for r in finals]
-        return mii_pb.MultiGenerationReply(response=replies)
+            _reject(self._server, context, exc)
+        accepted = time.perf_counter()
+        try:
+            return mii_pb.MultiGenerationReply(
+                response=[_mii_reply(r, r.generated_text, started, accepted) for r in merge_deltas(stream)])
+        except Exception as exc:
+            _fail(self._server, context, exc)
+        finally:
+            done()
 
     def GeneratorReplyStream(self, request: mii_pb.MultiStringRequest,
                              context: grpc.ServicerContext) -> Iterator[mii_pb.MultiGenerationReply]:
         """Replies with an entry for every completion, in order: its new text since the last reply."""
         started = time.perf_counter()
         try:
-            stream, keys = self._open(request, context)
+            stream, done, keys = self._open(request, context)
         except Exception as exc:
-            _fail(context, exc)
+            _reject(self._server, context, exc)
         accepted = time.perf_counter()
         latest: dict[tuple[int, int], Response] = {}
         try:
@@ -195,7 +220,9 @@ class ModelResponseServicer(mii_grpc.ModelResponseServicer):
                 yield mii_pb.MultiGenerationReply(response=[
                     _mii_reply(latest.get(key), texts.get(key, ""), started, accepted) for key in keys])
         except Exception as exc:
-            _fail(context, exc)
+            _fail(self._server, context, exc)
+        finally:
+            done()
 
     def Terminate(self, request: empty_pb2.Empty, context: grpc.ServicerContext) -> empty_pb2.Empty:
         """Stop the deployment."""
@@ -208,23 +235,37 @@ class GrpcServer:
 
     Until `set_backend` the health service says NOT_SERVING and generation calls are UNAVAILABLE
     (the model is loading). `Terminate` sets `terminated` and calls `on_terminate` if given
-    (the launcher then shuts the whole deployment down), else stops this server.
+    (the launcher then shuts the whole deployment down), else stops this server. `limits` sets
+    the API keys and bounds (default: no key, `ServingLimits()`'s bounds); `tls_cert`/`tls_key`
+    (PEM files, both or neither) serve TLS instead of plain TCP.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, deployment_name: str = "",
                  backend: Backend | None = None, max_workers: int = 128,
-                 on_terminate: Callable[[], None] | None = None) -> None:
+                 on_terminate: Callable[[], None] | None = None, limits: ServingLimits | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
         if not isinstance(max_workers, int) or max_workers < 1:
             raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
+        if limits is not None and not isinstance(limits, ServingLimits):
+            raise TypeError(f"limits must be a ServingLimits or None, got {type(limits).__name__}")
         self.host = host
         self.port = port
         self.deployment_name = deployment_name
+        self.limits = limits if limits is not None else ServingLimits()
         self.terminated = threading.Event()
         self._on_terminate = on_terminate
         self._backend: Backend | None = None
+        self._budget = PendingBudget(self.limits.max_pending_requests)
+        self._credentials = server_credentials(tls_cert, tls_key)
+        self._stopping = False
         self._health = health.HealthServicer()
-        self._server = grpc.server(ThreadPoolExecutor(max_workers, thread_name_prefix="fastgen-grpc"),
-                                   options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+        keys = self.limits.api_keys
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers, thread_name_prefix="fastgen-grpc"),
+            interceptors=[ApiKeyInterceptor(keys)] if keys else None,
+            # A message over the body limit is refused by gRPC itself (RESOURCE_EXHAUSTED) before it is parsed.
+            options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.max_receive_message_length", self.limits.max_body_bytes), ("grpc.so_reuseport", 0)])
         pb_grpc.add_FastGenServicer_to_server(FastGenServicer(self), self._server)
         mii_grpc.add_ModelResponseServicer_to_server(ModelResponseServicer(self), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -241,11 +282,24 @@ class GrpcServer:
         """host:port as bound (the real port once started)."""
         return f"{self.host}:{self.port}"
 
+    @property
+    def tls(self) -> bool:
+        """Whether the server speaks TLS."""
+        return self._credentials is not None
+
+    @property
+    def pending(self) -> int:
+        """Sequences (prompts x n) admitted and not yet finished."""
+        return self._budget.pending
+
     def start(self) -> int:
         """Bind and start serving; returns the port. Raises OSError if the port is taken."""
         target = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         try:
-            port = self._server.add_insecure_port(target)
+            if self._credentials is not None:
+                port = self._server.add_secure_port(target, self._credentials)
+            else:
+                port = self._server.add_insecure_port(target)
         except RuntimeError:
             port = 0
         if port == 0:
@@ -269,6 +323,37 @@ class GrpcServer:
             raise BackendUnavailable("the deployment is still loading its model; retry when health says SERVING")
         return backend
 
+    def admit(self, prompts: list, params: SamplingParams, context: grpc.ServicerContext,
+              field: str = "prompts") -> tuple[PromptsStream, Callable[[], None]]:
+        """Check a call's request against the limits, take its sequences from the pending budget and
+        submit its prompts. Returns the stream and its release, which the servicer calls when the
+        stream ends; the call's end (normal, failed or cancelled) also aborts what is left and
+        releases, so a client that goes away gives its place back."""
+        self.limits.check_request_size(len(prompts), params.n, field)
+        backend = self.backend()
+        release = self._budget.acquire(len(prompts) * params.n, "n" if params.n > 1 else field)
+        try:
+            stream = PromptsStream(backend, prompts, params, field)
+        except BaseException:
+            release()
+            raise
+
+        def end() -> None:
+            stream.abort()
+            release()
+
+        if not context.add_callback(end):
+            end()  # the call had already ended
+        return stream, release
+
+    def engine_stopped(self, exc: BaseException | None = None) -> bool:
+        """Whether the server or its engine has stopped for good (`exc`: the error a request got),
+        so a failure means "not serving" rather than "this request failed"."""
+        if self._stopping or isinstance(exc, TensorParallelError):
+            return True
+        loop = getattr(self._backend, "loop", None)
+        return loop is not None and (loop.stopped or loop.fatal_error is not None)
+
     def set_health(self, service: str, serving: bool) -> None:
         """Report `service` ("" = the whole server) as SERVING or NOT_SERVING."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -285,6 +370,7 @@ class GrpcServer:
 
     def stop(self, grace: float = 2.0) -> None:
         """Stop accepting calls, give running ones `grace` seconds, then cancel them (aborting their requests)."""
+        self._stopping = True
         self._health.enter_graceful_shutdown()
         if self._started:
             self._server.stop(grace).wait()

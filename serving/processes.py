@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 
@@ -57,6 +58,14 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     return proc.wait()
+
+
+def reap_in_background(proc: subprocess.Popen, name: str) -> threading.Thread:
+    """Wait for `proc` in a daemon thread, so that however it ends (even stopped by another process)
+    its exit status is collected at once and it leaves no zombie; the thread never keeps us alive."""
+    thread = threading.Thread(target=proc.wait, name=f"fastgen-reaper-{name}", daemon=True)
+    thread.start()
+    return thread
 
 
 def write_json_atomic(path: str, data: dict) -> None:

@@ -5,7 +5,9 @@ a local engine loop: each request goes to the healthy replica with the fewest re
 (ties in turn). A monitor thread checks every replica's process and health service; a replica
 that dies or stops serving is logged, reported through the front end's health service
 (`fastgen.replica.<i>`) and `ModelInfo`, and routed around. Replica processes watch the front
-end's pid and exit if it dies, and the front end stops them all on shutdown.
+end's pid and exit if it dies, and the front end stops them all on shutdown. Replicas listen on
+127.0.0.1 only (plain TCP: the hop never leaves the machine) and require the front end's API
+keys, which the router presents on every call.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.backend import BackendUnavailable
 from fastgen.serving.convert import params_to_proto, prompts_to_proto, response_from_completion
+from fastgen.serving.grpc_guard import auth_metadata
 from fastgen.serving.grpc_server import CHANNEL_OPTIONS, MII_SERVICE, REQUEST_IDS_KEY, TYPED_SERVICE, rejection
+from fastgen.serving.limits import API_KEY_ENV
 from fastgen.serving.processes import read_json, stop_process
 from fastgen.serving.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
@@ -57,8 +61,11 @@ class Replica:
     """Requests sent to it in total."""
     status: str = "SERVING"
     """"SERVING", "NOT_SERVING", "UNREACHABLE" or "DEAD: <why>"."""
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """The key the replica requires (None: it is open)."""
 
     def __post_init__(self) -> None:
+        self.metadata = auth_metadata(self.api_key)  # sent on every call but health, which is open
         self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.FastGenStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -205,7 +212,7 @@ class ReplicaRouter:
         tried: set[int] = set()
         while True:
             replica = self._pick(tried)
-            call = replica.stub.GenerateStream(request)
+            call = replica.stub.GenerateStream(request, metadata=replica.metadata)
             metadata = dict(call.initial_metadata() or ())
             if REQUEST_IDS_KEY in metadata:
                 request_id = f"r{replica.index}-{metadata[REQUEST_IDS_KEY]}"
@@ -220,9 +227,12 @@ class ReplicaRouter:
                 continue
             raise _replica_error(call)
 
-    def submit_async(self, prompt: Any, params: SamplingParams | None = None) -> AsyncRemoteStream:
-        """`submit` for asyncio code (call it from a running event loop; iterate with `async for`)."""
-        return AsyncRemoteStream(self.submit(prompt, params))
+    async def submit_async(self, prompt: Any, params: SamplingParams | None = None) -> AsyncRemoteStream:
+        """`submit` for asyncio code: `stream = await router.submit_async(...)`, then `async for`.
+
+        The replica's gRPC round trip runs on a worker thread, so the event loop never waits on it.
+        """
+        return AsyncRemoteStream(await asyncio.to_thread(self.submit, prompt, params))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request by id; unknown or finished ids are ignored."""
@@ -235,7 +245,7 @@ class ReplicaRouter:
         """A healthy replica's model summary, with every replica's state."""
         for replica in [r for r in self.replicas if r.healthy]:
             try:
-                info = replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5)
+                info = replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5, metadata=replica.metadata)
                 break
             except grpc.RpcError:
                 self.mark_down(replica, "UNREACHABLE")
@@ -302,7 +312,7 @@ class ReplicaRouter:
         for replica in self.replicas:
             if replica.process is not None and replica.process.poll() is None:
                 try:
-                    replica.stub.Terminate(pb.TerminateRequest(), timeout=2)
+                    replica.stub.Terminate(pb.TerminateRequest(), timeout=2, metadata=replica.metadata)
                 except grpc.RpcError:
                     pass
         for replica in self.replicas:
@@ -312,14 +322,19 @@ class ReplicaRouter:
 
 
 def start_replicas(count: int, launcher_args: list[str], deployment_name: str, *, devices: list[str | None],
-                   timeout: float, should_stop: Callable[[], bool]) -> list[Replica]:
+                   timeout: float, should_stop: Callable[[], bool], api_keys: tuple[str, ...] = ()) -> list[Replica]:
     """Start `count` replica servers on free loopback ports and wait until each is serving.
 
-    Each runs `python -m fastgen.serving.launcher` with `launcher_args` (the engine options), its
-    own device from `devices` when set, and exits if this process dies. If one fails to start,
-    all are stopped and RuntimeError says which and why (its output is in our log).
+    Each runs `python -m fastgen.serving.launcher` with `launcher_args` (the engine options and
+    bounds), its own device from `devices` when set, requires `api_keys` (none: open), and exits
+    if this process dies. If one fails to start, all are stopped and RuntimeError says which and
+    why (its output is in our log).
     """
     env = dict(os.environ)
+    # Through the environment, not argv: a command line is readable by every user of the machine.
+    env.pop(API_KEY_ENV, None)
+    if api_keys:
+        env[API_KEY_ENV] = ",".join(api_keys)
     if all(d is None or d == "cpu" for d in devices) and "OMP_NUM_THREADS" not in env:
         # CPU replicas would each start one thread per core and fight over them.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // count))
@@ -348,7 +363,8 @@ def start_replicas(count: int, launcher_args: list[str], deployment_name: str, *
         replicas = []
         for index, (proc, ready) in enumerate(started):
             info = read_json(ready) or {}
-            replicas.append(Replica(index=index, address=f"127.0.0.1:{info['port']}", process=proc))
+            replicas.append(Replica(index=index, address=f"127.0.0.1:{info['port']}", process=proc,
+                                    api_key=api_keys[0] if api_keys else None))
         return replicas
     except BaseException:
         for proc, _ in started:

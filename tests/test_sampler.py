@@ -1,5 +1,6 @@
 """Sampler: Hugging Face's processors as oracle, sampling statistics, seeds, greedy, logprobs."""
 
+import dataclasses
 import os
 
 import pytest
@@ -366,3 +367,44 @@ def test_cuda_step_never_syncs():
     assert torch.equal(torch.isfinite(processed), torch.isfinite(cpu_processed))
     assert out.sampled_token_ids.device.type == "cuda"
     assert torch.isfinite(cpu_processed.gather(1, out.sampled_token_ids.cpu()[:, None])).all()
+
+
+def test_min_p_and_logit_bias_match_hf():
+    from transformers import MinPLogitsWarper, SequenceBiasLogitsProcessor
+
+    vocab_size = 64
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, vocab_size, generator=gen) * 3
+    params = [SamplingParams(min_p=0.1, top_p=1.0, temperature=0.8),
+              SamplingParams(min_p=0.3, top_k=20, top_p=0.95, logit_bias={3: 5.0, 9: -100.0}),
+              SamplingParams(top_p=1.0, logit_bias={"7": 2.5}),
+              SamplingParams(do_sample=False, logit_bias={11: 50.0}, min_p=0.5)]
+    md = build(params, vocab_size=vocab_size)
+    ours = Sampler().process_logits(logits, md)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    for i, p in enumerate(params):
+        scores = logits[i].clone().unsqueeze(0)
+        if p.logit_bias:
+            scores = SequenceBiasLogitsProcessor({(t,): b for t, b in p.logit_bias.items()})(ids, scores)
+        if not p.greedy:
+            scores = hf_process(scores[0], dataclasses.replace(p, logit_bias=None, min_p=0.0), [], []).unsqueeze(0)
+            if p.min_p:
+                scores = MinPLogitsWarper(p.min_p)(ids, scores)
+        assert torch.equal(torch.isfinite(ours[i]), torch.isfinite(scores[0])), f"row {i}"
+        torch.testing.assert_close(ours[i].softmax(-1), scores[0].softmax(-1), atol=1e-6, rtol=1e-5)
+    assert int((~torch.isfinite(ours[0])).sum()) > 0  # min_p really cut something
+    # Greedy rows see the bias (argmax moves to the biased token) but not min_p.
+    out = Sampler()(logits, md)
+    assert out.sampled_token_ids[3].item() == 11
+
+
+def test_allowed_and_banned_tokens_mask_every_row():
+    vocab_size = 32
+    logits = torch.randn(3, vocab_size, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(do_sample=False, allowed_token_ids=[4, 5]), SamplingParams(do_sample=False),
+              SamplingParams(top_p=1.0, allowed_token_ids=[6])]
+    banned = [[5], [int(logits[1].argmax())], []]
+    md = SamplingMetadata.build(params, [[]] * 3, [[]] * 3, [None] * 3, vocab_size, "cpu", banned)
+    out = Sampler()(logits, md).sampled_token_ids.tolist()
+    assert out[0] == 4 and out[2] == 6
+    assert out[1] == int(logits[1].clone().index_fill_(0, torch.tensor(banned[1]), float("-inf")).argmax())

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import re
+
 import pytest
 
 from fastgen.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
@@ -113,7 +115,36 @@ BAD_VALUES = [
     ("n", 0, ValueError, f"[1, {MAX_N}]"),
     ("n", MAX_N + 1, ValueError, f"[1, {MAX_N}]"),
     ("n", 2.5, TypeError, "int"),
+    ("prompt_logprobs", -1, ValueError, f"[0, {MAX_LOGPROBS}]"),
+    ("prompt_logprobs", 1.5, TypeError, "int"),
+    ("min_p", 1.5, ValueError, "[0, 1]"),
+    ("min_p", "0.1", TypeError, "float"),
+    ("logit_bias", [1, 2], TypeError, "dict"),
+    ("logit_bias", {"a": 1.0}, TypeError, "logit_bias key 'a'"),
+    ("logit_bias", {5: "x"}, TypeError, "logit_bias[5]"),
+    ("allowed_token_ids", [], ValueError, "must not be empty"),
+    ("allowed_token_ids", [1, -1], ValueError, "allowed_token_ids[1]"),
+    ("allowed_token_ids", 3, TypeError, "list of int"),
+    ("bad_words", [""], ValueError, "non-empty"),
+    ("bad_words", ["ok", 1], TypeError, "bad_words[1]"),
+    ("skip_special_tokens", 1, TypeError, "bool"),
+    ("spaces_between_special_tokens", "no", TypeError, "bool"),
+    ("include_stop_str_in_output", None, TypeError, "bool"),
+    ("truncate_prompt_tokens", 0, ValueError, "[1, inf)"),
+    ("priority", 1.5, TypeError, "int"),
+    ("priority", 2**40, ValueError, "[-2147483648, 2147483647]"),
 ]
+
+
+@pytest.mark.parametrize("bias, words", [({5: 101.0}, "logit_bias[5] must be in [-100, 100]"),
+                                         ({-1: 1.0}, "logit_bias token id must be in [0, inf)")])
+def test_logit_bias_ranges_name_the_entry(bias, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_accepts_json_string_keys():
+    assert SamplingParams(logit_bias={"7": 2, 9: -1.5}).logit_bias == {7: 2.0, 9: -1.5}
 
 
 @pytest.mark.parametrize("field, value, error, words", BAD_VALUES,
@@ -157,7 +188,10 @@ def test_from_kwargs_accepts_every_field():
     kwargs = dict(max_length=64, max_new_tokens=8, min_new_tokens=2, ignore_eos=True,
                   do_sample=False, temperature=0.5, top_k=4, top_p=0.5, stop=["\n"],
                   return_full_text=True, seed=7, stop_token_ids=[2], repetition_penalty=1.1,
-                  presence_penalty=0.5, frequency_penalty=-0.5, logprobs=3, n=2)
+                  presence_penalty=0.5, frequency_penalty=-0.5, logprobs=3, n=2, prompt_logprobs=1,
+                  min_p=0.05, logit_bias={3: 1.5}, allowed_token_ids=[1, 2, 3], bad_words=["no"],
+                  skip_special_tokens=False, spaces_between_special_tokens=False,
+                  include_stop_str_in_output=True, truncate_prompt_tokens=5, priority=-1)
     assert set(kwargs) == set(SamplingParams.field_names())
     p = SamplingParams.from_kwargs(**kwargs)
     for key, value in kwargs.items():

@@ -2,25 +2,33 @@
 
 Each test starts its own deployment on a free 127.0.0.1 port with its own registry directory,
 and kills whatever is left of it (the deployment's whole process group) in teardown; every test
-checks that no process of the deployment is left.
+checks that no process of the deployment is left, not even a zombie: each is reaped by its parent.
 """
 
 import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
+import grpc
 import pytest
+from test_grpc_auth import _self_signed
 
 import fastgen
 from fastgen.serving import launcher, registry
-from fastgen.serving.deployment import DeploymentError
+from fastgen.serving.client import client as connect
+from fastgen.serving.deployment import SERVE_OPTIONS, DeploymentError
+from fastgen.serving.limits import API_KEY_ENV
 from fastgen.serving.processes import pid_alive
+from fastgen.serving.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
 
 ENGINE = dict(num_kv_blocks=64, block_size=8, token_budget=32, max_seqs=8, progress=False)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,6 +53,11 @@ def _eventually(predicate, timeout=15.0):
         time.sleep(0.05)
 
 
+def _reaped(pid) -> bool:
+    """Gone from the process table: neither running nor a zombie waiting for its parent."""
+    return not os.path.exists(f"/proc/{pid}")
+
+
 def _kill_group(pid):
     """Teardown: SIGKILL the deployment's process group (it is its own session) if anything is left."""
     try:
@@ -53,20 +66,28 @@ def _kill_group(pid):
         pass
 
 
-def test_serve_client_terminate_and_start_errors(tiny_checkpoints, tmp_path):
+def test_serve_client_terminate_and_start_errors(tiny_checkpoints, tmp_path, monkeypatch):
+    """serve() with a key; other clients with and without it; start errors; Terminate from another
+    client, after which this process (the deployment's parent) has reaped it: no zombie."""
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
     path = tiny_checkpoints["llama"]
     port = _free_port()
-    client = fastgen.serve(path, deployment_name="tiny-a", host="127.0.0.1", port_number=port, startup_timeout=120,
-                           **ENGINE)
+    client = fastgen.serve(path, deployment_name="tiny-a", port_number=port, api_key="proc-key",
+                           startup_timeout=120, **ENGINE)
     pid = client.pid
     try:
         want = client.generate(["Hello", [5, 6, 7]], do_sample=False, max_new_tokens=5)
         assert [r.generated_length for r in want] == [5, 5] and want[0].token_ids != want[1].token_ids
-        for other in (fastgen.client("tiny-a"), fastgen.client(f"127.0.0.1:{port}")):
+        for other in (connect("tiny-a", api_key="proc-key"), connect(f"127.0.0.1:{port}", api_key="proc-key")):
             assert [r.token_ids for r in other(["Hello", [5, 6, 7]], do_sample=False, max_new_tokens=5)] == \
                 [r.token_ids for r in want]
             other.close()
-        assert registry.live_record("tiny-a")["pid"] == pid
+        with connect("tiny-a") as keyless, pytest.raises(PermissionError, match="requires an API key"):
+            keyless.generate("Hello", max_new_tokens=1)
+        record = registry.live_record("tiny-a")
+        assert record["pid"] == pid and record["host"] == "127.0.0.1"  # serve()'s default: this machine only
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert b"proc-key" not in f.read()  # the key travels in the environment, not on the command line
 
         with pytest.raises(DeploymentError, match=f"port {port} on 127.0.0.1 is already in use"):
             fastgen.serve(path, deployment_name="tiny-b", host="127.0.0.1", port_number=port, **ENGINE)
@@ -80,9 +101,17 @@ def test_serve_client_terminate_and_start_errors(tiny_checkpoints, tmp_path):
             fastgen.serve(path, device_map="balanced")
         with pytest.raises(ValueError, match="max_length"):
             fastgen.serve(path, max_length=0)
+        with pytest.raises(ValueError, match="max_n must be a positive int"):
+            fastgen.serve(path, max_n=0)
+        with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
+            fastgen.serve(path, tls_cert=__file__)
 
-        client.terminate_server(timeout=30)
-        assert not pid_alive(pid)
+        monkeypatch.setenv(API_KEY_ENV, "proc-key")  # fastgen.client() reads the key from the environment
+        second = fastgen.client("tiny-a")
+        assert second.generate("Hello", do_sample=False, max_new_tokens=5)[0].token_ids == want[0].token_ids
+        second.terminate_server(timeout=30)
+        _eventually(lambda: _reaped(pid), timeout=5)
+        client.terminate_server(timeout=5)  # already stopped by the other client: nothing left to do
         assert registry.live_record("tiny-a") is None
         with pytest.raises(ValueError, match="no running deployment named 'tiny-a'"):
             fastgen.client("tiny-a")
@@ -96,38 +125,51 @@ def test_serve_client_terminate_and_start_errors(tiny_checkpoints, tmp_path):
     assert "no-such-model" in str(err.value) and "Traceback" in str(err.value)
 
 
-def _rest_mii(port, prompt, **gen):
+def _rest_mii(port, prompt, cert, key="rkey", **gen):
+    """MII's REST route over HTTPS, verifying the deployment's self-signed certificate."""
     body = json.dumps({"prompts": [prompt], **gen}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/mii/llama-mii-deployment", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as reply:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(f"https://127.0.0.1:{port}/mii/llama-mii-deployment", data=body, headers=headers)
+    with urllib.request.urlopen(request, timeout=30, context=ssl.create_default_context(cafile=cert)) as reply:
         return json.loads(reply.read())[0]
 
 
-def test_serve_script_replicas_rest_and_sigterm(tiny_checkpoints):
-    """`scripts/serve.py --replica-num 2 --enable-restful-api`: both replicas used, one killed and routed
-    around (over gRPC and REST), then SIGTERM stops the front end and the surviving replica."""
+def test_serve_script_replicas_rest_and_sigterm(tiny_checkpoints, tmp_path, monkeypatch):
+    """`scripts/serve.py --replica-num 2 --enable-restful-api --api-key K --tls-cert C --tls-key P`: both
+    replicas used (the router presents the key, which the replicas require too), one killed and
+    routed around (over gRPC and HTTPS), then SIGTERM stops and reaps the front end and the survivor."""
+    cert, tls_key = _self_signed(tmp_path)
     port, rest_port = _free_port(), _free_port()
     proc = subprocess.Popen(
         [sys.executable, os.path.join(REPO, "scripts", "serve.py"), "--model", tiny_checkpoints["llama"],
-         "--host", "127.0.0.1", "--port", str(port), "--replica-num", "2", "--enable-restful-api",
+         "--port", str(port), "--replica-num", "2", "--enable-restful-api", "--api-key", "rkey",
+         "--tls-cert", cert, "--tls-key", tls_key,
          "--restful-api-port", str(rest_port), "--no-progress", "--num-kv-blocks", "64", "--block-size", "8",
          "--token-budget", "32", "--max-seqs", "8"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={k: v for k, v in os.environ.items() if k != API_KEY_ENV})  # the key comes from --api-key alone
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     try:
         _eventually(lambda: f"listening on 127.0.0.1:{port}\n" in lines or proc.poll() is not None, timeout=120)
         assert proc.poll() is None, "".join(lines)
-        client = fastgen.client("llama-mii-deployment")  # the default name, from the registry
+        monkeypatch.setenv(API_KEY_ENV, "rkey")
+        client = fastgen.client("llama-mii-deployment")  # the default name; TLS with the recorded certificate
         want = client.generate("Hi", do_sample=False, max_new_tokens=4)[0]
         for _ in range(3):
             assert client.generate("Hi", do_sample=False, max_new_tokens=4)[0].token_ids == want.token_ids
         info = client.model_info()
         assert info["num_kv_blocks"] == 64 and [r["num_requests"] for r in info["replicas"]] == [2, 2]
         assert [client.health(f"fastgen.replica.{i}") for i in range(2)] == ["SERVING", "SERVING"]
-        assert _rest_mii(rest_port, "Hi", do_sample=False, max_new_tokens=4)["generated_text"] == want.generated_text
+        assert _rest_mii(rest_port, "Hi", cert, do_sample=False, max_new_tokens=4)["generated_text"] == \
+            want.generated_text
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _rest_mii(rest_port, "Hi", cert, key=None)
+        assert refused.value.code == 401
+        with grpc.insecure_channel(info["replicas"][1]["address"]) as channel, pytest.raises(grpc.RpcError) as err:
+            pb_grpc.FastGenStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # a replica is keyed like its front end
         pids = [r["pid"] for r in info["replicas"]]
 
         os.kill(pids[0], signal.SIGKILL)
@@ -135,15 +177,17 @@ def test_serve_script_replicas_rest_and_sigterm(tiny_checkpoints):
         assert client.health() == "SERVING"
         for _ in range(2):
             assert client.generate("Hi", do_sample=False, max_new_tokens=4)[0].token_ids == want.token_ids
-            assert _rest_mii(rest_port, "Hi", do_sample=False, max_new_tokens=4)["generated_text"] == want.generated_text
+            assert _rest_mii(rest_port, "Hi", cert, do_sample=False, max_new_tokens=4)["generated_text"] == \
+                want.generated_text
         replicas = client.model_info()["replicas"]
         assert replicas[0]["status"] == "DEAD: exited with code -9" and replicas[1]["healthy"]
+        assert _reaped(pids[0])  # the front end's health check reaped the killed replica
         client.close()
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         reader.join(5)
-        assert not pid_alive(pids[1]) and registry.live_record("llama-mii-deployment") is None
+        assert _reaped(pids[1]) and registry.live_record("llama-mii-deployment") is None
         assert any("replica 0" in line and "DEAD" in line for line in lines)
     finally:
         _kill_group(proc.pid)
@@ -174,10 +218,23 @@ def test_launcher_rejects_bad_options(capsys):
     for argv, message in ((["--tensor-parallel", "0"], "--tensor-parallel must be >= 1"),
                           (["--replica-num", "0"], "--replica-num must be >= 1"),
                           (["--max-length", "0"], "max_length must be a positive int or None, got 0"),
-                          (["--deployment-name", "../x"], "deployment_name must be")):
+                          (["--deployment-name", "../x"], "deployment_name must be"),
+                          (["--tls-cert", "cert.pem"], "--tls-cert and --tls-key go together"),
+                          (["--tls-cert", "/no/cert.pem", "--tls-key", "/no/key.pem"], "--tls-cert: no such file"),
+                          (["--max-n", "0"], "--max-n must be a positive int, got 0"),
+                          (["--max-pending-requests", "-1"], "--max-pending-requests must be a positive int"),
+                          (["--max-body-bytes", "0"], "--max-body-bytes must be a positive int"),
+                          (["--api-key", ""], "--api-key / $FASTGEN_API_KEY: an API key must be a non-empty")):
         with pytest.raises(SystemExit) as exit_info:
             launcher.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    parser = launcher.build_parser()
+    assert parser.parse_args([]).host == "127.0.0.1" == SERVE_OPTIONS["host"]
+    assert parser.parse_args(["--api-key", "a", "--api-key", "b"]).api_key == ["a", "b"]
+    help_text = " ".join(parser.format_help().split())
+    for promise in ("--host 0.0.0.0 exposes the server", "every method is open", "Terminate included",
+                    "grpc.health.v1.Health", "stay open"):
+        assert promise in help_text, promise
     options = {"dtype": "bfloat16", "enable_prefix_caching": False, "cuda_graphs": False, "buckets": (1, 4),
                "kv_cache_memory": 0.5, "num_kv_blocks": 64, "seed": None}
     argv = launcher.engine_argv(options)

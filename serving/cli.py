@@ -1,0 +1,212 @@
+"""The launcher's command line: deployment, security and engine options, and their validation.
+
+Every EngineConfig field is a flag (`--num-kv-blocks 64`, `--no-prefix-caching`); `engine_argv`
+turns keywords back into flags, so `fastgen.serve` and the replica front end launch processes
+with the same spelling the parser reads. The key and bounds flags become one `ServingLimits`
+shared by the gRPC server and the REST gateway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+from fastgen.config import EngineConfig
+from fastgen.engine import DEMO_MODEL_DIR
+from fastgen.serving import registry
+from fastgen.serving.limits import (API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                                    ServingLimits, api_keys_from_env)
+
+DEFAULT_PORT = 50050
+DEFAULT_REST_PORT = 51080
+_SEPARATE = {"model", "tensor_parallel", "replica_num"}  # engine fields that are deployment options here
+
+SECURITY_HELP = (
+    "Without --api-key (or FASTGEN_API_KEY) every method is open to anyone who can reach the port: the default "
+    "--host 127.0.0.1 accepts this machine only, --host 0.0.0.0 exposes the server on every interface. With a "
+    "key, every method of fastgen.v1.FastGen and modelresponse.ModelResponse (Terminate included) and every REST "
+    "route but /health and /healthz needs 'authorization: Bearer KEY'; the gRPC health service "
+    "(grpc.health.v1.Health, for load balancers) and reflection stay open.")
+"""What --help says the key protects and what stays open."""
+
+
+def engine_fields() -> list[dataclasses.Field]:
+    """The EngineConfig fields that are engine flags (the rest are deployment options)."""
+    return [f for f in dataclasses.fields(EngineConfig) if f.name not in _SEPARATE]
+
+
+def _kind(field: dataclasses.Field) -> str:
+    """How a field is spelled on the command line: "bool", "ints" (a list), "number", "int" or "str"."""
+    kind = str(field.type)
+    if kind.startswith(("tuple[", "list[")):
+        return "ints"
+    for name in ("bool", "float", "int"):
+        if name in kind:
+            return "number" if name == "float" else name
+    return "str"
+
+
+def _flag(field: dataclasses.Field, value: bool = True) -> str:
+    """The CLI flag that sets an EngineConfig field (to `value`, for a bool).
+
+    `--no-<name>` sets a bool False (`enable_` dropped: --no-prefix-caching); `--<name>` sets it True.
+    """
+    name = field.name.replace("_", "-")
+    if _kind(field) == "bool" and not value:
+        return "--no-" + name.removeprefix("enable-")
+    return "--" + name
+
+
+def _number(text: str) -> int | float:
+    """An int if it looks like one (bytes), else a float (a fraction)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options (EngineConfig fields; unset = the engine's default or the "
+                                      "policy's choice, see fastgen.explain)")
+    for field in engine_fields():
+        kind = _kind(field)
+        if kind == "bool":
+            # A bool that defaults to True only needs turning off; one that defaults to None (the
+            # policy decides) or False can be set either way.
+            for value in (True, False):
+                if value != field.default:
+                    group.add_argument(_flag(field, value), dest=field.name, action="store_const", const=value,
+                                       default=None, help=f"EngineConfig.{field.name} = {value}")
+            continue
+        convert = {"ints": int, "number": _number, "int": int, "str": str}[kind]
+        default = "" if field.default is None else f" (default: {field.default})"
+        group.add_argument(_flag(field), dest=field.name, type=convert, default=None,
+                           nargs="+" if kind == "ints" else None, help=f"EngineConfig.{field.name}{default}")
+
+
+def _add_security_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("security and limits (gRPC and REST alike)", SECURITY_HELP)
+    group.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help=f"a bearer key clients must present; repeat for several (default: ${API_KEY_ENV}, "
+                            "comma-separated; neither = no authentication)")
+    group.add_argument("--tls-cert", default=None, metavar="FILE",
+                       help="PEM certificate (chain) to serve gRPC and REST over TLS; needs --tls-key")
+    group.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    group.add_argument("--max-pending-requests", type=int, default=None, metavar="N",
+                       help="most sequences (prompts x n) in flight; beyond it calls get RESOURCE_EXHAUSTED "
+                            "(HTTP 429) with a retry hint (default: unbounded)")
+    group.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST, metavar="N",
+                       help=f"most prompts in one request (default: {DEFAULT_MAX_PROMPTS_PER_REQUEST})")
+    group.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, metavar="N",
+                       help=f"most completions (n) per prompt (default: {DEFAULT_MAX_N})")
+    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                       help=f"largest gRPC message / HTTP body accepted (default: {DEFAULT_MAX_BODY_BYTES}, 8 MiB)")
+
+
+def engine_argv(options: dict[str, Any]) -> list[str]:
+    """EngineConfig keywords -> the launcher flags that set them (inverse of the parser)."""
+    fields = {f.name: f for f in engine_fields()}
+    argv: list[str] = []
+    for name, value in options.items():
+        if name not in fields:
+            raise TypeError(f"unknown engine option {name!r}")
+        if value is None:
+            continue
+        field = fields[name]
+        kind = _kind(field)
+        if kind == "bool":
+            if value != field.default:
+                argv.append(_flag(field, value))
+        elif kind == "ints":
+            argv += [_flag(field), *(str(v) for v in value)]
+        else:
+            argv += [_flag(field), str(value).removeprefix("torch.")]
+    return argv
+
+
+def limits_argv(limits: ServingLimits, pending: bool = True) -> list[str]:
+    """The flags that set `limits`' bounds (keys travel in the environment, never on a command line;
+    `pending=False` leaves the pending bound out, for replicas behind a front end that enforces it)."""
+    argv = ["--max-prompts-per-request", str(limits.max_prompts_per_request), "--max-n", str(limits.max_n),
+            "--max-body-bytes", str(limits.max_body_bytes)]
+    if pending and limits.max_pending_requests is not None:
+        argv += ["--max-pending-requests", str(limits.max_pending_requests)]
+    return argv
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's command line."""
+    parser = argparse.ArgumentParser(
+        prog="serve.py", description="Serve a model over gRPC (fastgen.v1 and MII's modelresponse), optionally REST. "
+                                     "Without --api-key every method is open: see 'security and limits' below.")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory or cached hub id (default: the bundled demo model)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="gRPC listen address (default: 127.0.0.1, this machine only; 0.0.0.0 exposes it on "
+                             "every interface: set --api-key then)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default: {DEFAULT_PORT})")
+    parser.add_argument("--deployment-name", default=None,
+                        help="name clients use (default: <model basename>-mii-deployment)")
+    parser.add_argument("--tensor-parallel", type=int, default=None,
+                        help="ranks per replica, one GPU each (default: the policy's choice; WORLD_SIZE under torchrun)")
+    parser.add_argument("--replica-num", type=int, default=None,
+                        help="engine processes behind a load balancer (default: the policy's choice, "
+                             "one per tensor_parallel GPUs; 1 on a CPU)")
+    parser.add_argument("--enable-restful-api", action="store_true", help="also serve REST (/mii/, OpenAI API)")
+    parser.add_argument("--restful-api-host", default=None, help="REST listen address (default: --host)")
+    parser.add_argument("--restful-api-port", type=int, default=DEFAULT_REST_PORT,
+                        help=f"REST port (default: {DEFAULT_REST_PORT})")
+    parser.add_argument("--grpc-workers", type=int, default=128, help="concurrent gRPC calls (threads)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds replicas may take to start")
+    parser.add_argument("--replica-of", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+    _add_security_flags(parser)
+    _add_engine_flags(parser)
+    return parser
+
+
+def default_deployment_name(model: str | None) -> str:
+    """MII's default name: `<model basename>-mii-deployment`."""
+    return f"{os.path.basename(os.path.normpath(model or DEMO_MODEL_DIR))}-mii-deployment"
+
+
+def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[EngineConfig, ServingLimits]:
+    """The engine configuration and serving limits the options ask for; `parser.error` (exit 2) naming
+    the flag for a bad one."""
+    if args.tensor_parallel is not None and args.tensor_parallel < 1:
+        parser.error(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    if args.replica_num is not None and args.replica_num < 1:
+        parser.error(f"--replica-num must be >= 1, got {args.replica_num}")
+    if args.replica_of is not None and args.replica_num not in (None, 1):
+        parser.error("a replica cannot have replicas")
+    if not 0 <= args.port <= 65535 or not 0 <= args.restful_api_port <= 65535:
+        parser.error("ports must be in [0, 65535]")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together: give both (or neither, for plain TCP)")
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None and not os.path.isfile(path):
+            parser.error(f"{flag}: no such file: {path}")
+    limits = _limits(parser, args)
+    try:
+        registry.check_name(args.deployment_name)
+        options = {f.name: getattr(args, f.name) for f in engine_fields() if getattr(args, f.name) is not None}
+        return EngineConfig.from_kwargs(args.model, tensor_parallel=args.tensor_parallel, **options), limits
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+
+
+def _limits(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServingLimits:
+    try:
+        keys = api_keys_from_env(args.api_key)
+    except ValueError as exc:
+        parser.error(f"--api-key / ${API_KEY_ENV}: {exc}")
+    try:
+        return ServingLimits(api_keys=keys, max_body_bytes=args.max_body_bytes,
+                             max_pending_requests=args.max_pending_requests,
+                             max_prompts_per_request=args.max_prompts_per_request, max_n=args.max_n)
+    except ValueError as exc:
+        # ServingLimits names the field (max_n); the user typed the flag (--max-n).
+        name, _, rest = str(exc).partition(" ")
+        parser.error(f"--{name.replace('_', '-')} {rest}")

@@ -1,0 +1,313 @@
+"""Between the REST routes and the engine backend: admission, preparation, submission, accounting.
+
+The `Gateway` admits a request against `ServingLimits` (prompts per request, `n`, sequences in
+flight), prepares its prompts off the event loop (chat templates, tokenizing when the context
+check needs the prompt's length), submits one engine request per prompt and hands back a
+`Generation`: the merged stream of their deltas. Errors are sorted by whose fault they are: the
+caller's (400), the server's capacity (429), the engine's stop (503), or an engine failure of this
+one request (500).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from fastgen.engine_loop import RequestFailed, RequestStream
+from fastgen.outputs import Response
+from fastgen.sampling_params import SamplingParams
+from fastgen.serving.http_guard import ApiError, Offload
+from fastgen.serving.limits import ServingLimits
+from fastgen.serving.metrics import ServingMetrics
+from fastgen.serving.openai_params import ChatPrompt, render_chat
+
+logger = logging.getLogger("fastgen")
+
+Prompt = str | list[int] | ChatPrompt
+"""What a route hands the gateway per engine request: text, token ids, or a chat to render."""
+
+
+class Generation:
+    """The engine requests of one HTTP request (one per prompt), read as one stream of deltas.
+
+    Iterate it once with `async for`; each delta's `prompt_index` names its prompt. `close()`
+    aborts whatever is unfinished and gives the admission slots back; it is idempotent and runs by
+    itself when the iteration ends or is cancelled.
+    """
+
+    def __init__(self, gateway: Gateway, streams: list[RequestStream], num_sequences: int, started: float) -> None:
+        self.num_sequences = num_sequences
+        self._gateway = gateway
+        self._streams = streams
+        self._started = started
+        self._last_token: dict[tuple[int, int], float] = {}
+        self._prompts_seen: set[int] = set()
+        self._num_finished = 0
+        self._closed = False
+
+    async def __aiter__(self) -> AsyncIterator[Response]:
+        inbox: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.ensure_future(_pump(i, stream, inbox)) for i, stream in enumerate(self._streams)]
+        open_streams = len(pumps)
+        try:
+            while open_streams:
+                item = await inbox.get()
+                if item is None:
+                    open_streams -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    self._observe(item)
+                    yield item
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            self.close()
+
+    def _observe(self, delta: Response) -> None:
+        now = time.perf_counter()
+        metrics = self._gateway.metrics
+        if delta.prompt_index not in self._prompts_seen:
+            self._prompts_seen.add(delta.prompt_index)
+            metrics.count_prompt_tokens(delta.prompt_length)
+        if delta.token_ids:
+            metrics.count_generation_tokens(len(delta.token_ids))
+            key = (delta.prompt_index, delta.index)
+            last = self._last_token.get(key)
+            if last is None:
+                metrics.observe_first_token(now - self._started)
+            else:
+                metrics.observe_inter_token(now - last)
+            self._last_token[key] = now
+        if delta.finish_reason != "none":
+            self._num_finished += 1
+            metrics.count_finished(delta.finish_reason)
+            if self._num_finished == self.num_sequences:
+                metrics.observe_request_latency(now - self._started)
+
+    def close(self) -> None:
+        """Abort the unfinished choices (if any) and release the admission slots; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        unfinished = self.num_sequences - self._num_finished
+        if unfinished > 0:
+            for stream in self._streams:
+                stream.abort()
+            self._gateway.metrics.count_finished("abort", unfinished)
+        self._gateway.release(self.num_sequences)
+
+
+async def _pump(prompt_index: int, stream: RequestStream, inbox: asyncio.Queue) -> None:
+    try:
+        async for delta in stream:
+            delta.prompt_index = prompt_index
+            inbox.put_nowait(delta)
+    except Exception as exc:  # handed to the reader, which raises it in the request's context
+        inbox.put_nowait(exc)
+    inbox.put_nowait(None)
+
+
+async def _merge(generation: Generation) -> list[Response]:
+    """One whole Response per choice, ordered by prompt, then choice."""
+    merged: dict[tuple[int, int], Response] = {}
+    async for d in generation:
+        key = (d.prompt_index, d.index)
+        whole = merged.get(key)
+        if whole is None:
+            merged[key] = dataclasses.replace(d, token_ids=list(d.token_ids),
+                                              logprobs=list(d.logprobs) if d.logprobs else None)
+            continue
+        whole.generated_text += d.generated_text
+        whole.token_ids.extend(d.token_ids)
+        if d.logprobs:
+            whole.logprobs = (whole.logprobs or []) + d.logprobs
+        whole.generated_length = d.generated_length
+        whole.finish_reason = d.finish_reason
+    return [merged[key] for key in sorted(merged)]
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def generation_error(exc: BaseException) -> ApiError:
+    """The HTTP error for an exception raised while a request generated (not a caller's mistake).
+
+    `RequestFailed` means the engine failed this request only: a 500 for it, the engine serves on.
+    Any other RuntimeError from the engine loop means it stopped: 503.
+    """
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestFailed):
+        logger.error("request failed in the engine: %s", exc)
+        return ApiError(500, f"the engine failed this request: {exc}", code="request_failed")
+    if isinstance(exc, RuntimeError):
+        return ApiError(503, f"generation stopped: {exc}", code="engine_unavailable")
+    logger.error("generation failed", exc_info=exc)
+    return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}")
+
+
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token of `tokenizer` spells (its longest vocabulary entry), or None
+    when the tokenizer cannot say. Computed once, at app creation."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if not callable(get_vocab):
+        return None
+    return max(1, max((len(piece) for piece in get_vocab()), default=1))
+
+
+class Gateway:
+    """Admission, preparation, submission and accounting between the HTTP routes and the backend."""
+
+    def __init__(self, backend: Any, tokenizer: Any, metrics: ServingMetrics, limits: ServingLimits,
+                 max_model_len: int | None, offload: Offload) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.limits = limits
+        self.max_model_len = max_model_len
+        self.offload = offload
+        token_chars = max_token_chars(tokenizer) if max_model_len is not None else None
+        # Twice the bound the vocabulary proves, as the engine allows: normalizers may compose
+        # characters (NFKC), so one token can stand for more input characters than it spells.
+        self.max_prompt_chars = 2 * token_chars * max_model_len if token_chars is not None else None
+        # Sequences (prompts x n) admitted and not finished; only the event loop touches it.
+        self.pending = 0
+
+    async def start(self, prompts: list[Prompt], params: SamplingParams, prompt_param: str,
+                    max_tokens_param: str | None = None) -> Generation:
+        """Admit, prepare and submit one engine request per prompt.
+
+        400 for a request that breaks a bound or that the engine rejects (naming `prompt_param`,
+        or `max_tokens_param` when the prompt and that explicit budget do not fit the context
+        together), 429 when the server is full, 503 when the engine is stopped.
+        """
+        num_sequences = len(prompts) * params.n
+        self._admit(len(prompts), params.n, prompt_param)
+        started = time.perf_counter()
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                where = f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param
+                prepared = await self._prepare(prompt, params, where, prompt_param, max_tokens_param)
+                streams.append(await self._submit(prepared, params, where, prompt_param))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            self.release(num_sequences)
+            raise
+        return Generation(self, streams, num_sequences, started)
+
+    def _admit(self, num_prompts: int, n: int, prompt_param: str) -> None:
+        try:
+            self.limits.check_request_size(num_prompts, n, prompt_param)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=prompt_param if str(exc).startswith(prompt_param) else "n") from None
+        num_sequences = num_prompts * n
+        limit = self.limits.max_pending_requests
+        if limit is not None:
+            if num_sequences > limit:
+                raise ApiError(400, f"this request needs {num_sequences} sequences (prompts x n) but the server "
+                                    f"admits at most {limit} at a time", param="n" if n > 1 else prompt_param)
+            if self.pending + num_sequences > limit:
+                raise ApiError(429, f"server is at its limit of {limit} pending sequences "
+                                    f"({self.pending} in flight); retry later",
+                               code="too_many_pending_requests", headers={"Retry-After": "1"})
+        # Taken before any await, so requests preparing concurrently cannot overshoot the limit.
+        self.pending += num_sequences
+        self.metrics.set_pending(self.pending)
+
+    async def _prepare(self, prompt: Prompt, params: SamplingParams, where: str, param: str,
+                       max_tokens_param: str | None) -> str | list[int]:
+        """The prompt as the engine takes it; tokenizer work runs on `offload`, never on the loop."""
+        checked = max_tokens_param is not None and self.max_model_len is not None
+        if isinstance(prompt, ChatPrompt):
+            ids = await self.offload.run(render_chat, self.tokenizer, prompt, self.max_prompt_chars)
+        elif isinstance(prompt, str):
+            limit = self.max_prompt_chars
+            if limit is not None and len(prompt) > limit:
+                raise ApiError(400, f"{where}: prompt has {len(prompt)} characters, more than this model's maximum "
+                                    f"context length of {self.max_model_len} tokens can hold (at most {limit} "
+                                    "characters)", param=param)
+            if not checked:
+                return prompt  # the engine tokenizes it, off this loop too
+            # The engine's own tokenization of a text prompt, done here because the check needs its length.
+            ids = await self.offload.run(self.tokenizer.encode, prompt)
+        else:
+            ids = prompt
+        if checked:
+            self._check_context(len(ids), params.max_new_tokens, where, param, max_tokens_param)
+        return ids
+
+    def _check_context(self, num_prompt: int, max_tokens: int, where: str, param: str, max_tokens_param: str) -> None:
+        # vLLM's wording, which OpenAI clients and their users already know.
+        limit = self.max_model_len
+        what = "messages" if param == "messages" else "prompt"
+        prefix = f"{where}: " if where != param else ""
+        if num_prompt >= limit:
+            raise ApiError(400, f"{prefix}This model's maximum context length is {limit} tokens. However, your {what} "
+                                f"has {num_prompt} tokens, leaving no room for the completion. Please reduce the "
+                                f"length of the {what}.", param=param)
+        if num_prompt + max_tokens > limit:
+            raise ApiError(400, f"{prefix}This model's maximum context length is {limit} tokens. However, you "
+                                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the {what}, "
+                                f"{max_tokens} in the completion). Please reduce the length of the {what} or "
+                                f"completion ({max_tokens_param}).", param=max_tokens_param)
+
+    async def _submit(self, prompt: str | list[int], params: SamplingParams, where: str, param: str) -> RequestStream:
+        try:
+            stream = await self.backend.submit_async(prompt, params)
+        except RequestFailed as exc:
+            raise generation_error(exc) from None
+        except (ValueError, TypeError) as exc:
+            message = str(exc)
+            if message.startswith("stop_token_ids"):
+                raise ApiError(400, message, param="stop_token_ids") from None
+            raise ApiError(400, (f"{where}: " if where != param else "") + message, param=param) from None
+        except RuntimeError as exc:
+            raise ApiError(503, f"the engine is not accepting requests: {exc}", code="engine_unavailable") from None
+        return stream
+
+    def release(self, num_sequences: int) -> None:
+        """Give back admission slots (called by `Generation.close`)."""
+        self.pending -= num_sequences
+        self.metrics.set_pending(self.pending)
+
+    async def collect(self, request: Request, generation: Generation) -> list[Response]:
+        """Run `generation` to its end: one merged Response per choice. Aborts it if the client disconnects."""
+        work = asyncio.ensure_future(_merge(generation))
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+            generation.close()
+        if not work.done():
+            raise ApiError(499, "client closed the request before it finished; it was aborted")
+        try:
+            return work.result()
+        except Exception as exc:
+            raise generation_error(exc) from None
+
+
+def prompt_texts(tokenizer: Any, prompts: list[str | list[int]], skip_special_tokens: bool) -> list[str]:
+    """Each prompt as text (blocking: run on a worker).
+
+    `skip_special_tokens=False` gives OpenAI's `echo`: text verbatim, token ids decoded.
+    `True` gives `return_full_text` as everywhere else (pipeline, gRPC): tokens decoded without
+    special tokens, text prompts by way of their tokens.
+    """
+    if not skip_special_tokens:
+        return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+    return [tokenizer.decode(tokenizer.encode(p) if isinstance(p, str) else p, skip_special_tokens=True)
+            for p in prompts]
