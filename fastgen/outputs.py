@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
+
+MII_FIELDS = ("generated_text", "prompt_length", "generated_length", "finish_reason")
+"""The fields of MII's `Response`, in MII's order (what `to_msg_dict` and MII's REST route carry)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, repr=False)
 class Response:
     """One completion (or, while streaming, one delta of it).
 
-    `str(response)` is the text, as in MII.
+    `str(response)` and `repr(response)` are the text, as in MII, so `print(responses)` prints the
+    texts; `response.fields()` is every field as a dict (to see token ids, logprobs, ...), and
+    `to_msg_dict()` MII's four fields.
     """
 
     generated_text: str
@@ -40,3 +47,15 @@ class Response:
 
     def __str__(self) -> str:
         return self.generated_text
+
+    def __repr__(self) -> str:
+        # MII's Response.__repr__ is the text: code that prints a list of responses shows the texts.
+        return self.generated_text
+
+    def fields(self) -> dict[str, Any]:
+        """Every field by name (the values themselves, not copies)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_msg_dict(self) -> dict[str, Any]:
+        """MII's `Response.to_msg_dict()`: generated_text, prompt_length, generated_length, finish_reason."""
+        return {name: getattr(self, name) for name in MII_FIELDS}

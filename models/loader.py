@@ -4,12 +4,17 @@ The module tree is built with its parameters on the meta device (no memory or ti
 random initialisation); each safetensors tensor is then read from the memory-mapped file, cast
 to the target dtype and moved to the target device one at a time, so the model never exists as
 a full fp32 copy in RAM.
+
+A GGUF file (or a directory holding one) resolves to a prepared directory with its config and
+tokenizer (`fastgen.models.gguf`); its weights are dequantized and placed the same way, one tensor
+at a time.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +24,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
+from fastgen.models import gguf as gguf_format
 from fastgen.models.config import ModelConfig, load_generation_eos, parse_dtype
 from fastgen.models.parallel import SINGLE, TensorParallel, read_whole
+from fastgen.models.quant import DEFAULT_GROUP_SIZE, QuantizedLinear, quantize_decoder_linears
 from fastgen.models.registry import check_tensor_parallel_support, get_model_class
 
 
@@ -64,23 +71,32 @@ def resolve_model_dir(model_name_or_path: str) -> str:
     """A local directory for `model_name_or_path`: the path itself, or the HF cache's snapshot.
 
     A hub id is only looked up in the local Hugging Face cache, so an offline machine with the
-    model cached works; nothing is downloaded.
+    model cached works; nothing is downloaded. A .gguf file, or a directory (or snapshot) whose only
+    weights are one .gguf file, resolves to its prepared directory (`gguf.prepare_gguf_dir`).
     """
     local = os.path.expanduser(model_name_or_path)
-    if os.path.isdir(local):
-        return local
-    looks_like_path = model_name_or_path.startswith((".", "/", "~")) or model_name_or_path.count("/") > 1
+    if os.path.exists(local):
+        gguf_file = gguf_format.find_gguf_file(local)
+        if gguf_file is not None:
+            return gguf_format.prepare_gguf_dir(gguf_file)
+        if os.path.isdir(local):
+            return local
+        raise ValueError(f"{model_name_or_path!r} is a file; fastgen loads a checkpoint directory or a .gguf file")
+    looks_like_path = (model_name_or_path.startswith((".", "/", "~")) or model_name_or_path.count("/") > 1
+                       or model_name_or_path.endswith(gguf_format.GGUF_SUFFIX))
     if not looks_like_path:
         from huggingface_hub import snapshot_download
 
         try:
-            return snapshot_download(model_name_or_path, local_files_only=True)
+            snapshot = snapshot_download(model_name_or_path, local_files_only=True)
         except Exception as exc:  # the hub raises several error types for "not cached"
             raise FileNotFoundError(
                 f"model {model_name_or_path!r} is neither a local directory nor in the Hugging Face cache "
                 f"({type(exc).__name__}); download it first, e.g. `huggingface-cli download {model_name_or_path}`"
             ) from exc
-    raise FileNotFoundError(f"model directory {model_name_or_path!r} does not exist")
+        gguf_file = gguf_format.find_gguf_file(snapshot)
+        return gguf_format.prepare_gguf_dir(gguf_file) if gguf_file is not None else snapshot
+    raise FileNotFoundError(f"model path {model_name_or_path!r} does not exist")
 
 
 def _safetensors_files(model_dir: str) -> list[str]:
@@ -142,6 +158,11 @@ class _WeightSink:
         sizes = getattr(self.model.get_submodule(module_name), "output_sizes", None)
         return sizes.get(attr) if isinstance(sizes, dict) else sizes
 
+    def _shard_rows(self, param_name: str, shard: int) -> tuple[int, int]:
+        """(first row, rows) that checkpoint shard `shard` fills in `param_name` (per expert if stacked)."""
+        sizes = self._shard_sizes(param_name)
+        return sum(sizes[:shard]), sizes[shard]
+
     def _materialise(self, param_name: str) -> torch.Tensor:
         """The real tensor behind `param_name`, allocating it the first time."""
         module_name, _, attr = param_name.rpartition(".")
@@ -176,27 +197,35 @@ class _WeightSink:
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.model.config.tie_word_embeddings):
                 return
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self.model).__name__}")
-        dest = self._materialise(param_name)
         module_name, _, attr = param_name.rpartition(".")
-        sharder = getattr(self.model.get_submodule(module_name), "load_checkpoint_shard", None)
+        module = self.model.get_submodule(module_name)
+        sharder = getattr(module, "load_checkpoint_shard", None)
         if sharder is not None and self.model.config.parallel.size > 1:
             tensor = sharder(attr, shard, tensor)
         else:
             tensor = read_whole(tensor)
+        piece = -1 if shard is None else shard
+        if isinstance(module, QuantizedLinear) and attr == "weight":
+            # Quantized as it is placed: the full-precision weight never exists beyond this one tensor.
+            start, rows = (0, module.out_features) if shard is None else self._shard_rows(param_name, shard)
+            if tuple(tensor.shape) != (rows, module.in_features):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {(rows, module.in_features)}")
+            module.load_rows(start, tensor, self.device)
+            self.loaded.setdefault(param_name, set()).add(piece)
+            return
+        dest = self._materialise(param_name)
         if expert is not None:
             if expert >= dest.shape[0]:
                 raise ValueError(f"checkpoint tensor {name!r} names expert {expert}, but the model has {dest.shape[0]}")
             dest = dest[expert]
         if shard is not None:
-            sizes = self._shard_sizes(param_name)
-            start = sum(sizes[:shard])
-            dest = dest.narrow(0, start, sizes[shard])
+            dest = dest.narrow(0, *self._shard_rows(param_name, shard))
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
             )
         dest.copy_(tensor)
-        piece = -1 if shard is None else shard
         self.loaded.setdefault(param_name, set()).add(piece if expert is None else (expert, piece))
 
     def check_complete(self) -> None:
@@ -233,16 +262,26 @@ class _WeightSink:
         return param_name
 
 
+def _safetensors_items(handle) -> Iterator[tuple[str, object]]:
+    """(name, lazy slice) for each tensor of one open safetensors file."""
+    for key in handle.keys():
+        yield key, handle.get_slice(key)
+
+
 def load_model(
     model_name_or_path: str,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
     progress: bool = True,
     parallel: TensorParallel = SINGLE,
+    quantization: str = "none",
+    quantization_group_size: int = DEFAULT_GROUP_SIZE,
 ) -> LoadedModel:
     """Build the model for a checkpoint and load its weights (this rank's share under `parallel`).
 
-    `dtype` None keeps the checkpoint's dtype (fp32 if the config does not say).
+    `dtype` None keeps the checkpoint's dtype (fp32 if the config does not say). `quantization`
+    "int8" or "int4" (groups of `quantization_group_size` input features) stores the decoder layers'
+    linear weights quantized (`fastgen.models.quant`), each quantized as it is loaded.
     """
     model_dir = resolve_model_dir(model_name_or_path)
     config_path = os.path.join(model_dir, "config.json")
@@ -253,7 +292,8 @@ def load_model(
     model_cls = get_model_class(config.model_type)
     if parallel.size > 1:
         check_tensor_parallel_support(config.model_type)
-    files = _safetensors_files(model_dir)
+    gguf_file = gguf_format.gguf_source(model_dir)
+    files = [] if gguf_file is not None else _safetensors_files(model_dir)
     dtype = parse_dtype(dtype) or config.dtype or torch.float32
     device = torch.device(device)
 
@@ -262,14 +302,20 @@ def load_model(
     # init_empty_weights re-creates every assigned parameter, which unties shared ones: tie again
     # so the shared weight is expected (and loaded) once.
     model.tie_weights()
+    quantize_decoder_linears(model, quantization, dtype, quantization_group_size)
     sink = _WeightSink(model, dtype, device)
-    handles = [safe_open(path, framework="pt", device="cpu") for path in files]
-    total = sum(len(f.keys()) for f in handles)
-    name = os.path.basename(os.path.normpath(model_dir))
+    if gguf_file is not None:
+        reader = gguf_format.open_gguf(gguf_file)
+        tensors = gguf_format.iter_gguf_tensors(gguf_file, config.raw, reader)
+        sources, total, name = [tensors], gguf_format.gguf_weight_count(reader), os.path.basename(gguf_file)
+    else:
+        handles = [safe_open(path, framework="pt", device="cpu") for path in files]
+        sources = [_safetensors_items(f) for f in handles]
+        total, name = sum(len(f.keys()) for f in handles), os.path.basename(os.path.normpath(model_dir))
     with tqdm(total=total, desc=f"loading {name}", unit="tensor", disable=not progress) as bar:
-        for f in handles:
-            for key in f.keys():
-                sink.put(key, f.get_slice(key))
+        for source in sources:
+            for key, tensor in source:
+                sink.put(key, tensor)
                 bar.update(1)
     sink.check_complete()
     model.tie_weights()

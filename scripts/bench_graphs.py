@@ -20,7 +20,7 @@ import torch
 from bench_common import build_llama_checkpoint, median_seconds, memory_read_bandwidth, profile_shares, write_json
 
 import fastgen
-from fastgen.step_inputs import HostStepInputs
+from fastgen.executor.step_inputs import HostStepInputs
 
 CONTEXT = 64
 
@@ -30,7 +30,7 @@ def step_inputs(bucket: int, max_seqs: int, block_size: int) -> HostStepInputs:
     num_seqs = min(bucket, max_seqs)
     per_seq = [bucket // num_seqs + (1 if i < bucket % num_seqs else 0) for i in range(num_seqs)]
     blocks_per_seq = -(-(CONTEXT + max(per_seq)) // block_size)
-    host = HostStepInputs([], [], [], [], [0], [], [])
+    host = HostStepInputs.empty()
     for s, n in enumerate(per_seq):
         table = list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
         for p in range(CONTEXT, CONTEXT + n):

@@ -48,7 +48,7 @@ import transformers
 from bench_common import build_llama_checkpoint, latency_summary, pyplot_or_none, run_offline, workload, write_json
 
 import fastgen
-from fastgen.engine_loop import EngineLoop
+from fastgen.engine import EngineLoop
 
 SMOOTH_WINDOW = 8
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import fastgen
-from fastgen.engine_loop import EngineLoop
+from fastgen.engine import EngineLoop
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.convert import Prompt

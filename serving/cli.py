@@ -27,7 +27,8 @@ SECURITY_HELP = (
     "Without --api-key (or FASTGEN_API_KEY) every method is open to anyone who can reach the port: the default "
     "--host 127.0.0.1 accepts this machine only, --host 0.0.0.0 exposes the server on every interface. With a "
     "key, every method of fastgen.v1.FastGen and modelresponse.ModelResponse (Terminate included) and every REST "
-    "route but /health and /healthz needs 'authorization: Bearer KEY'; the gRPC health service "
+    "route but /health, /healthz, /ping, /version and /metrics (unless --protect-metrics) needs "
+    "'authorization: Bearer KEY'; the gRPC health service "
     "(grpc.health.v1.Health, for load balancers) and reflection stay open.")
 """What --help says the key protects and what stays open."""
 
@@ -69,7 +70,7 @@ def _number(text: str) -> int | float:
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options (EngineConfig fields; unset = the engine's default or the "
-                                      "policy's choice, see fastgen.explain)")
+                                      "policy's choice, see python -m fastgen.planning)")
     for field in engine_fields():
         kind = _kind(field)
         if kind == "bool":
@@ -158,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--restful-api-host", default=None, help="REST listen address (default: --host)")
     parser.add_argument("--restful-api-port", type=int, default=DEFAULT_REST_PORT,
                         help=f"REST port (default: {DEFAULT_REST_PORT})")
+    parser.add_argument("--strict-params", action="store_true",
+                        help="REST: refuse OpenAI request fields this server does not implement with a 400 "
+                             "(default: accept and ignore them with a warning and an X-Ignored-Fields header, as vLLM)")
+    parser.add_argument("--protect-metrics", action="store_true",
+                        help="REST: /metrics needs the API key too (default: open, for Prometheus scrapers)")
     parser.add_argument("--grpc-workers", type=int, default=128, help="concurrent gRPC calls (threads)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds replicas may take to start")
     parser.add_argument("--replica-of", type=int, default=None, help=argparse.SUPPRESS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import re
 import subprocess
 import time
@@ -22,10 +23,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastgen.api import normalise_prompts
+from fastgen.api import normalise_prompts, split_mii_stream
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving import registry
+from fastgen.serving.cli import default_deployment_name
 from fastgen.serving.convert import merge_deltas, params_to_proto, prompts_to_proto, \
     response_from_completion
 from fastgen.serving.grpc_guard import auth_metadata, client_api_key, open_channel, read_pem
@@ -38,7 +40,12 @@ _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^:\s]+):(\d{1,5})$")
 
 
 def _request(prompts: Any, gen: dict[str, Any]) -> tuple[pb.GenerateRequest, bool]:
-    """Validate locally and build the request; also whether logprobs were asked for."""
+    """Validate locally and build the request; also whether logprobs were asked for.
+
+    MII's `stream` keyword is accepted: whether a call streams is the method's (`stream`, or
+    `generate` with a `streaming_fn`), so it changes nothing.
+    """
+    gen, _ = split_mii_stream(gen)
     params = SamplingParams.from_kwargs(**gen)
     request = pb.GenerateRequest(prompts=prompts_to_proto(normalise_prompts(prompts)),
                                  params=params_to_proto(params, fields=gen))
@@ -88,18 +95,30 @@ def _health_name(status: int) -> str:
 
 
 def resolve(deployment_name_or_address: str) -> tuple[str, dict | None]:
-    """`host:port` as is, or a deployment name on this machine -> (address, its record)."""
-    if not isinstance(deployment_name_or_address, str) or not deployment_name_or_address:
-        raise TypeError(f"expected a deployment name or 'host:port', got {deployment_name_or_address!r}")
-    if _ADDRESS.match(deployment_name_or_address):
-        return deployment_name_or_address, None
-    record = registry.live_record(deployment_name_or_address)
-    if record is None:
-        running = registry.live_names()
-        raise ValueError(f"no running deployment named {deployment_name_or_address!r} on this machine "
-                         f"(running: {', '.join(running) if running else 'none'}; records in "
-                         f"{registry.deployments_dir()}); pass 'host:port' to reach another machine")
-    return f"{connect_host(record['host'])}:{record['port']}", record
+    """`host:port` as is, or a deployment on this machine -> (address, its record).
+
+    As MII's `mii.client(model_or_deployment_name)`: a deployment name, or the model name or path
+    it was started with, which names the deployment `<basename>-mii-deployment` (MII's default).
+    """
+    target = deployment_name_or_address
+    if not isinstance(target, str) or not target:
+        raise TypeError(f"expected a deployment name, a model name or path, or 'host:port', got {target!r}")
+    if _ADDRESS.match(target) and not os.path.exists(target):
+        return target, None
+    tried = []
+    for name in dict.fromkeys((target, default_deployment_name(target))):
+        try:
+            registry.check_name(name)
+        except ValueError:
+            continue  # a path or hub id is no deployment name itself; its default name may be one
+        tried.append(name)
+        record = registry.live_record(name)
+        if record is not None:
+            return f"{connect_host(record['host'])}:{record['port']}", record
+    running = registry.live_names()
+    raise ValueError(f"no running deployment named {' or '.join(map(repr, tried)) or repr(target)} on this machine "
+                     f"(running: {', '.join(running) if running else 'none'}; records in "
+                     f"{registry.deployments_dir()}); pass 'host:port' to reach another machine")
 
 
 class Client:
@@ -334,7 +353,9 @@ def client(deployment_name_or_address: str, *, asynchronous: bool = False, api_k
            tls_root_cert: str | None = None) -> Client | AsyncClient:
     """Connect to a running deployment by its name (on this machine) or by 'host:port' (anywhere).
 
-    `api_key` defaults to the first key of `FASTGEN_API_KEY`; `tls_root_cert` to the certificate
+    As in MII, the model name or path the deployment was started with finds it too (its default
+    name is `<model basename>-mii-deployment`); a name nothing runs under is a ValueError listing
+    what runs. `api_key` defaults to the first key of `FASTGEN_API_KEY`; `tls_root_cert` to the certificate
     a local TLS deployment recorded (its own, right for a self-signed one), else plain TCP.
     """
     address, record = resolve(deployment_name_or_address)

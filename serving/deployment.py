@@ -1,7 +1,8 @@
 """`fastgen.serve(...)`: start a persistent deployment in its own process and return a client.
 
-MII's options are accepted with MII's names and defaults; every EngineConfig field is accepted
-too. The deployment runs `python -m fastgen.serving.launcher` in a new session (it outlives this
+MII's options are accepted with MII's names and defaults, as keywords or in MII's `model_config={...}`
+and `mii_config={...}` (`fastgen.api.mii_options` maps each onto ours, or refuses it saying why);
+every EngineConfig field is accepted too. The deployment runs `python -m fastgen.serving.launcher` in a new session (it outlives this
 script, as MII's did, until `client.terminate_server()`), writes its output to
 `<registry dir>/<name>.log`, and records itself in the registry once it serves. Start-up
 failures are raised here with the cause: a taken port before anything starts, a model that fails
@@ -21,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from fastgen.api import mii_options
 from fastgen.config import EngineConfig
 from fastgen.serving import registry
 from fastgen.serving.cli import DEFAULT_PORT, DEFAULT_REST_PORT, default_deployment_name, engine_argv, limits_argv
@@ -33,7 +35,7 @@ from fastgen.serving.processes import check_port_free, connect_host, reap_in_bac
 SERVE_OPTIONS = {
     # MII's names (max_length is an EngineConfig field, handled with the engine options).
     "deployment_name": None, "tensor_parallel": None, "replica_num": None, "port_number": DEFAULT_PORT,
-    "enable_restful_api": False, "restful_api_host": None, "restful_api_port": DEFAULT_REST_PORT, "device_map": None,
+    "enable_restful_api": False, "restful_api_host": None, "restful_api_port": DEFAULT_REST_PORT,
     # fastgen's own.
     "host": "127.0.0.1", "api_key": None, "tls_cert": None, "tls_key": None, "max_pending_requests": None,
     "max_prompts_per_request": DEFAULT_MAX_PROMPTS_PER_REQUEST, "max_n": DEFAULT_MAX_N,
@@ -103,13 +105,16 @@ def _launcher_argv(model: str | None, name: str, options: dict[str, Any], engine
     return argv + engine_argv(engine)
 
 
-def serve(model_name_or_path: str | None = None, **config: Any) -> Client:
+def serve(model_name_or_path: str | None = None, model_config: dict[str, Any] | None = None,
+          mii_config: dict[str, Any] | None = None, **config: Any) -> Client:
     """Start a deployment of `model_name_or_path` (None = the bundled demo model); return its client.
 
     Options: MII's `deployment_name` (default `<model basename>-mii-deployment`), `tensor_parallel`
     (ranks per replica; each replica starts its other ranks itself), `replica_num` (both default to
     the policy's choice, see `fastgen.plan_deployment`), `max_length`, `port_number` (50050),
-    `enable_restful_api`, `restful_api_host`, `restful_api_port` (51080), `device_map` ("auto" or None); fastgen's
+    `enable_restful_api`, `restful_api_host`, `restful_api_port` (51080), `device_map` (MII's forms,
+    where they match fastgen's placement), the rest of MII's ModelConfig/MIIConfig fields (as keywords
+    or in `model_config`/`mii_config`; see `fastgen.api.mii_options`); fastgen's
     `host` (listen address, default 127.0.0.1: this machine only; "0.0.0.0" exposes it), `api_key`
     (a key or a list of keys every gRPC method and REST route but health requires; default
     `FASTGEN_API_KEY`; none = open), `tls_cert`/`tls_key` (PEM files: TLS for gRPC and REST; the
@@ -119,13 +124,12 @@ def serve(model_name_or_path: str | None = None, **config: Any) -> Client:
     `token_budget`, `num_kv_blocks`, ...). Unknown options raise TypeError, bad values
     ValueError/TypeError, all before anything starts.
     """
+    model_name_or_path, config = mii_options(model_name_or_path, model_config, mii_config, config, serving=True,
+                                             native=SERVE_OPTIONS)
     options, engine = _split_options(config)
     for name in ("tensor_parallel", "replica_num"):
         if options[name] is not None:  # None: the policy chooses (fastgen.plan_deployment says how)
             _int_option(name, options[name], 1)
-    if options["device_map"] not in (None, "auto"):
-        raise NotImplementedError(f"device_map={options['device_map']!r}: only 'auto' (or None) is supported; "
-                                  "choose the device with device='cuda:1' and so on")
     port = _int_option("port_number", options["port_number"], 1, 65535)
     _int_option("restful_api_port", options["restful_api_port"], 1, 65535)
     timeout = options["startup_timeout"]

@@ -19,13 +19,13 @@ from typing import Any
 
 from fastapi import Request
 
-from fastgen.engine_loop import RequestFailed, RequestStream
+from fastgen.engine import RequestFailed, RequestStream
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.http_guard import ApiError, Offload
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.metrics import ServingMetrics
-from fastgen.serving.openai_params import ChatPrompt, render_chat
+from fastgen.serving.openai_chat import ChatPrompt, render_chat
 
 logger = logging.getLogger("fastgen")
 
@@ -41,11 +41,16 @@ class Generation:
     itself when the iteration ends or is cancelled.
     """
 
-    def __init__(self, gateway: Gateway, streams: list[RequestStream], num_sequences: int, started: float) -> None:
+    def __init__(self, gateway: Gateway, streams: list[RequestStream], num_sequences: int, started: float,
+                 prompt_token_ids: list[list[int] | None] | None = None) -> None:
         self.num_sequences = num_sequences
+        self.prompt_token_ids = prompt_token_ids or [None] * len(streams)
+        """Per prompt, the token ids the engine was given (after `truncate_prompt_tokens`), where the
+        gateway tokenized it (`Gateway.start(keep_ids=True)`); None where the engine tokenizes."""
         self._gateway = gateway
         self._streams = streams
         self._started = started
+        self._first_token: dict[tuple[int, int], float] = {}
         self._last_token: dict[tuple[int, int], float] = {}
         self._prompts_seen: set[int] = set()
         self._num_finished = 0
@@ -76,11 +81,12 @@ class Generation:
         if delta.prompt_index not in self._prompts_seen:
             self._prompts_seen.add(delta.prompt_index)
             metrics.count_prompt_tokens(delta.prompt_length)
+        key = (delta.prompt_index, delta.index)
         if delta.token_ids:
             metrics.count_generation_tokens(len(delta.token_ids))
-            key = (delta.prompt_index, delta.index)
             last = self._last_token.get(key)
             if last is None:
+                self._first_token[key] = now
                 metrics.observe_first_token(now - self._started)
             else:
                 metrics.observe_inter_token(now - last)
@@ -88,6 +94,9 @@ class Generation:
         if delta.finish_reason != "none":
             self._num_finished += 1
             metrics.count_finished(delta.finish_reason)
+            first = self._first_token.get(key)
+            if first is not None and delta.generated_length > 1:
+                metrics.observe_time_per_output_token((now - first) / (delta.generated_length - 1))
             if self._num_finished == self.num_sequences:
                 metrics.observe_request_latency(now - self._started)
 
@@ -130,6 +139,8 @@ async def _merge(generation: Generation) -> list[Response]:
             whole.logprobs = (whole.logprobs or []) + d.logprobs
         whole.generated_length = d.generated_length
         whole.finish_reason = d.finish_reason
+        if d.prompt_logprobs is not None:
+            whole.prompt_logprobs = d.prompt_logprobs
     return [merged[key] for key in sorted(merged)]
 
 
@@ -183,28 +194,36 @@ class Gateway:
         self.pending = 0
 
     async def start(self, prompts: list[Prompt], params: SamplingParams, prompt_param: str,
-                    max_tokens_param: str | None = None) -> Generation:
+                    max_tokens_param: str | None = None, *, keep_ids: bool = False,
+                    add_special_tokens: bool = True) -> Generation:
         """Admit, prepare and submit one engine request per prompt.
 
         400 for a request that breaks a bound or that the engine rejects (naming `prompt_param`,
         or `max_tokens_param` when the prompt and that explicit budget do not fit the context
-        together), 429 when the server is full, 503 when the engine is stopped.
+        together), 429 when the server is full, 503 when the engine is stopped. `keep_ids`
+        tokenizes every prompt here and keeps the ids the engine gets in
+        `Generation.prompt_token_ids` (for echoing the prompt's tokens); `add_special_tokens=False`
+        tokenizes text prompts without the tokenizer's BOS.
         """
         num_sequences = len(prompts) * params.n
         self._admit(len(prompts), params.n, prompt_param)
         started = time.perf_counter()
         streams: list[RequestStream] = []
+        kept: list[list[int] | None] = []
         try:
             for i, prompt in enumerate(prompts):
                 where = f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param
-                prepared = await self._prepare(prompt, params, where, prompt_param, max_tokens_param)
+                prepared = await self._prepare(prompt, params, where, prompt_param, max_tokens_param,
+                                               keep_ids or not add_special_tokens, add_special_tokens)
+                truncate = params.truncate_prompt_tokens
+                kept.append(None if isinstance(prepared, str) else prepared[-truncate:] if truncate else prepared)
                 streams.append(await self._submit(prepared, params, where, prompt_param))
         except BaseException:
             for stream in streams:
                 stream.abort()
             self.release(num_sequences)
             raise
-        return Generation(self, streams, num_sequences, started)
+        return Generation(self, streams, num_sequences, started, kept)
 
     def _admit(self, num_prompts: int, n: int, prompt_param: str) -> None:
         try:
@@ -226,25 +245,28 @@ class Gateway:
         self.metrics.set_pending(self.pending)
 
     async def _prepare(self, prompt: Prompt, params: SamplingParams, where: str, param: str,
-                       max_tokens_param: str | None) -> str | list[int]:
+                       max_tokens_param: str | None, need_ids: bool, add_special_tokens: bool) -> str | list[int]:
         """The prompt as the engine takes it; tokenizer work runs on `offload`, never on the loop."""
         checked = max_tokens_param is not None and self.max_model_len is not None
+        truncate = params.truncate_prompt_tokens
+        # A prompt the engine truncates may be longer than the context: only the body limit bounds it then.
+        limit = self.max_prompt_chars if truncate is None else None
         if isinstance(prompt, ChatPrompt):
-            ids = await self.offload.run(render_chat, self.tokenizer, prompt, self.max_prompt_chars)
+            ids = await self.offload.run(render_chat, self.tokenizer, prompt, limit)
         elif isinstance(prompt, str):
-            limit = self.max_prompt_chars
             if limit is not None and len(prompt) > limit:
                 raise ApiError(400, f"{where}: prompt has {len(prompt)} characters, more than this model's maximum "
                                     f"context length of {self.max_model_len} tokens can hold (at most {limit} "
                                     "characters)", param=param)
-            if not checked:
+            if not (checked or need_ids or truncate is not None):
                 return prompt  # the engine tokenizes it, off this loop too
             # The engine's own tokenization of a text prompt, done here because the check needs its length.
-            ids = await self.offload.run(self.tokenizer.encode, prompt)
+            ids = await self.offload.run(_encode, self.tokenizer, prompt, add_special_tokens)
         else:
             ids = prompt
         if checked:
-            self._check_context(len(ids), params.max_new_tokens, where, param, max_tokens_param)
+            kept = min(len(ids), truncate) if truncate is not None else len(ids)
+            self._check_context(kept, params.max_new_tokens, where, param, max_tokens_param)
         return ids
 
     def _check_context(self, num_prompt: int, max_tokens: int, where: str, param: str, max_tokens_param: str) -> None:
@@ -269,8 +291,9 @@ class Gateway:
             raise generation_error(exc) from None
         except (ValueError, TypeError) as exc:
             message = str(exc)
-            if message.startswith("stop_token_ids"):
-                raise ApiError(400, message, param="stop_token_ids") from None
+            for field in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+                if message.startswith(field):
+                    raise ApiError(400, message, param=field) from None
             raise ApiError(400, (f"{where}: " if where != param else "") + message, param=param) from None
         except RuntimeError as exc:
             raise ApiError(503, f"the engine is not accepting requests: {exc}", code="engine_unavailable") from None
@@ -298,6 +321,11 @@ class Gateway:
             return work.result()
         except Exception as exc:
             raise generation_error(exc) from None
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    # The engine's own call (`tokenizer.encode(prompt)`) when special tokens are wanted, so its ids match.
+    return tokenizer.encode(text) if add_special_tokens else tokenizer.encode(text, add_special_tokens=False)
 
 
 def prompt_texts(tokenizer: Any, prompts: list[str | list[int]], skip_special_tokens: bool) -> list[str]:

@@ -29,7 +29,8 @@ from google.protobuf import empty_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fastgen.distributed import TensorParallelError
+from fastgen.api import split_mii_stream
+from fastgen.engine import TensorParallelError
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.backend import Backend, BackendUnavailable, PromptsStream
@@ -167,8 +168,11 @@ def _mii_reply(response: Response | None, text: str, started: float, accepted: f
 class ModelResponseServicer(mii_grpc.ModelResponseServicer):
     """DeepSpeed-MII's modelresponse.ModelResponse over a backend.
 
-    `time_taken` counts from the call's arrival, `model_time_taken` from the engine's acceptance
-    of the prompts (so it leaves out parsing and validation).
+    `query_kwargs` are generation keywords, plus MII's `stream` (a bool), which MII's server used to
+    choose per-token replies: here GeneratorReply always answers in full and GeneratorReplyStream
+    always streams, whatever it says. `time_taken` counts from the call's arrival,
+    `model_time_taken` from the engine's acceptance of the prompts (so it leaves out parsing and
+    validation).
     """
 
     def __init__(self, server: "GrpcServer") -> None:
@@ -179,7 +183,9 @@ class ModelResponseServicer(mii_grpc.ModelResponseServicer):
         """The admitted stream, its release and its completions' (prompt_index, index) keys, prompt-major."""
         if not request.request:
             raise ValueError("request is empty: send at least one prompt")
-        params = SamplingParams.from_kwargs(**kwargs_from_mii(request.query_kwargs))
+        # MII's client adds stream=True to every streaming call; the method, not the flag, decides here.
+        gen, _ = split_mii_stream(kwargs_from_mii(request.query_kwargs), "query_kwargs['stream']")
+        params = SamplingParams.from_kwargs(**gen)
         stream, done = self._server.admit(list(request.request), params, context, field="request")
         return stream, done, [(p, c) for p in range(len(request.request)) for c in range(params.n)]
 

@@ -29,7 +29,20 @@ logger = logging.getLogger("fastgen")
 T = TypeVar("T")
 
 PUBLIC_PATHS = frozenset({"/health", "/healthz"})
-"""Paths answered without a key (GET and HEAD only): load balancers probe them unauthenticated."""
+"""Paths always answered without a key (GET and HEAD only): load balancers probe them unauthenticated."""
+
+_READ = frozenset({"GET", "HEAD"})
+
+
+def public_routes(protect_metrics: bool = False) -> dict[str, frozenset[str]]:
+    """The paths answered without a key, each with its methods: the health probes, `/ping` (GET and
+    POST, as SageMaker-style probes send it), `/version`, and `/metrics` unless `protect_metrics`
+    (Prometheus scrapers usually hold no key; vLLM leaves it open too)."""
+    routes = {path: _READ for path in PUBLIC_PATHS}
+    routes.update({"/ping": _READ | {"POST"}, "/version": _READ})
+    if not protect_metrics:
+        routes["/metrics"] = _READ
+    return routes
 
 MAX_JSON_DEPTH = 32
 """Deepest nesting of objects and arrays a body may have; real requests need 4 (chat content parts)."""
@@ -247,16 +260,18 @@ def _header(scope: dict, name: bytes) -> str | None:
 
 
 class HttpGuard:
-    """ASGI middleware: the bearer key on every path but `PUBLIC_PATHS`, and the body-size limit.
+    """ASGI middleware: the bearer key on every path but the public ones, and the body-size limit.
 
     Both are checked from the headers before the app runs, so a refused request costs no body
     read. A chunked body (no Content-Length) is counted as the app receives it and refused with a
-    413 the moment it passes the limit; the rest is never read into memory.
+    413 the moment it passes the limit; the rest is never read into memory. `public` maps each
+    path answered without a key to its methods (default: `public_routes()`).
     """
 
-    def __init__(self, app: Any, limits: ServingLimits) -> None:
+    def __init__(self, app: Any, limits: ServingLimits, public: Mapping[str, frozenset[str]] | None = None) -> None:
         self.app = app
         self.limits = limits
+        self.public = dict(public if public is not None else public_routes())
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -303,7 +318,7 @@ class HttpGuard:
 
     def _refusal(self, scope: dict) -> ApiError | None:
         limits = self.limits
-        public = scope["path"] in PUBLIC_PATHS and scope["method"] in ("GET", "HEAD")
+        public = scope["method"] in self.public.get(scope["path"], ())
         if limits.requires_key and not public:
             token = bearer_token(_header(scope, b"authorization"))
             if token is None:

@@ -27,9 +27,9 @@ from transformers import AutoTokenizer
 
 import fastgen
 from fastgen.config import EngineConfig
-from fastgen.distributed import torchrun_env
+from fastgen.api import torchrun_env
 from fastgen.engine import DEMO_MODEL_DIR, Engine
-from fastgen.engine_loop import EngineLoop
+from fastgen.engine import EngineLoop
 from fastgen.serving import registry
 from fastgen.serving.backend import Backend, LocalBackend
 from fastgen.serving.cli import (DEFAULT_PORT, DEFAULT_REST_PORT, build_parser, default_deployment_name, engine_argv,
@@ -39,6 +39,9 @@ from fastgen.serving.limits import ServingLimits
 from fastgen.serving.processes import check_port_free, connect_host, write_json_atomic
 from fastgen.serving.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.replicas import ReplicaRouter, start_replicas
+
+REST_GRACE_AFTER_TERMINATE_S = 1.0
+"""Seconds the REST gateway stays up after a gRPC Terminate (MII's client calls REST's /terminate next)."""
 
 logger = logging.getLogger("fastgen.serving")
 
@@ -162,9 +165,15 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"REST gateway: {exc}") from None
 
     stop = threading.Event()
+    terminated_over_grpc = threading.Event()
+
+    def on_grpc_terminate() -> None:
+        terminated_over_grpc.set()
+        stop.set()
+
     try:
         server = GrpcServer(args.host, args.port, deployment_name=args.deployment_name, max_workers=args.grpc_workers,
-                            on_terminate=stop.set, limits=limits, tls_cert=args.tls_cert, tls_key=args.tls_key)
+                            on_terminate=on_grpc_terminate, limits=limits, tls_cert=args.tls_cert, tls_key=args.tls_key)
         server.start()
     except (OSError, ValueError) as exc:
         raise SystemExit(str(exc)) from None
@@ -213,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.replica_of is None:
             registry.remove_record(args.deployment_name, os.getpid())
         if gateway is not None:
+            if terminated_over_grpc.is_set():
+                # MII's client follows a gRPC Terminate with GET /terminate: answer it, as MII did.
+                time.sleep(REST_GRACE_AFTER_TERMINATE_S)
             gateway.stop()
         server.stop()
         if backend is not None:

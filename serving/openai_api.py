@@ -1,9 +1,13 @@
 """The OpenAI-compatible API: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
 
 Bodies are validated by `openai_params` (a 400 naming the field), then run through the
-`Gateway`; this module shapes OpenAI's responses and server-sent events. The tokenizer is called
-on a worker (`Gateway.offload`), never on the event loop: echoing token-id prompts and spelling out
-logprob tokens both decode.
+`Gateway`; this module shapes OpenAI's (and vLLM's) responses and server-sent events. The
+tokenizer is called on a worker (`Gateway.offload`), never on the event loop: echoing token-id
+prompts and spelling out logprob tokens both decode.
+
+`echo` with `logprobs` answers as vLLM does: the choice's logprobs cover the prompt's tokens (the
+first with null logprobs) and then the generated ones, which is how lm-eval scores loglikelihoods;
+with `max_tokens: 0` one token is generated and dropped, so only the prompt comes back.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -19,63 +23,76 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from fastgen.outputs import Response
-from fastgen.serving.gateway import generation_error, prompt_texts
-from fastgen.serving.http_guard import ApiError, read_json_object
-from fastgen.serving.openai_params import Parsed, model_not_found, parse_chat, parse_completion
+from fastgen.serving.gateway import generation_error
+from fastgen.serving.http_guard import read_json_object
+from fastgen.serving.openai_logprobs import chat_logprobs, completion_logprobs, echo_entries, vllm_prompt_logprobs
+from fastgen.serving.openai_params import Parsed, ignored_notice, model_not_found, parse_chat, parse_completion
 
 if TYPE_CHECKING:
     from fastgen.serving.gateway import Gateway, Generation
 
-__all__ = ["ApiError", "add_openai_routes"]
+__all__ = ["add_openai_routes"]
 
 
 class _Usage:
-    """Token counts of one request: prompts once each (as OpenAI counts with n > 1), every choice."""
+    """Token counts of one request: prompts once each (as OpenAI counts with n > 1), every choice.
 
-    def __init__(self) -> None:
+    `echo_only` requests generate one token that is dropped, and so counted as none.
+    """
+
+    def __init__(self, echo_only: bool = False) -> None:
+        self._echo_only = echo_only
         self._prompt: dict[int, int] = {}
         self._generated: dict[tuple[int, int], int] = {}
 
-    def add(self, response: Response) -> None:
+    def add(self, response: Response) -> dict[str, int]:
+        """Count `response` (a delta or a whole choice); returns its choice's usage so far."""
+        generated = 0 if self._echo_only else response.generated_length
         self._prompt[response.prompt_index] = response.prompt_length
-        self._generated[(response.prompt_index, response.index)] = response.generated_length
+        self._generated[(response.prompt_index, response.index)] = generated
+        return _usage(response.prompt_length, generated)
 
     def as_dict(self) -> dict[str, int]:
-        prompt, completion = sum(self._prompt.values()), sum(self._generated.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return _usage(sum(self._prompt.values()), sum(self._generated.values()))
 
 
-def _top(entry: Mapping[int, float], k: int) -> list[tuple[int, float]]:
-    # The engine's entry holds the chosen token first, then the top-k; a chosen token that is
-    # itself in the top-k appears once, so sorting recovers the top-k either way.
-    return sorted(entry.items(), key=lambda item: -item[1])[:k]
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], top_n: int,
-                         offset: int) -> tuple[dict[str, Any], int]:
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, entry in zip(token_ids, entries):
-        text = tokenizer.decode([token_id])
-        out["tokens"].append(text)
-        out["token_logprobs"].append(entry[token_id])
-        out["top_logprobs"].append({tokenizer.decode([i]): lp for i, lp in _top(entry, top_n)})
-        out["text_offset"].append(offset)
-        offset += len(text)
-    if not top_n:
-        out["top_logprobs"] = None
-    return out, offset
+def _echo_texts(tokenizer: Any, prompts: list, kept: list[list[int] | None], truncate: int | None) -> list[str]:
+    """What `echo` prefixes per prompt: the text as sent (token ids decoded), or the kept tokens'
+    text when `truncate_prompt_tokens` may have cut the prompt. Blocking: run on a worker."""
+    return [p if isinstance(p, str) and truncate is None else tokenizer.decode(ids if ids is not None else p)
+            for p, ids in zip(prompts, kept)]
 
 
-def _chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], top_n: int) -> list[dict]:
-    def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+def _completion_choice(tokenizer: Any, req: Parsed, r: Response, echo: str | None, prompt_ids: list[int] | None,
+                       prompt_lps: list | None, index: int) -> dict[str, Any]:
+    """One whole `choices[]` item of a completion (blocking: it decodes tokens)."""
+    token_ids, entries, text = (([], [], "") if req.echo_only else
+                                (r.token_ids, r.logprobs or [None] * len(r.token_ids), r.generated_text))
+    if echo is not None:
+        text = echo + text
+        if prompt_ids is not None:
+            token_ids = prompt_ids + token_ids
+            entries = (echo_entries(prompt_ids, prompt_lps) or [None] * len(prompt_ids)) + entries
+    logprobs = None
+    if req.top_logprobs is not None and token_ids:
+        logprobs, _ = completion_logprobs(tokenizer, token_ids, entries, req.top_logprobs, 0, req.token_ids_as_text)
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": r.finish_reason}
+    if req.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = (None if prompt_lps is None else vllm_prompt_logprobs(
+            tokenizer, prompt_lps, req.prompt_logprobs, req.token_ids_as_text))
+    return choice
 
-    return [{**item(t, entry[t]), "top_logprobs": [item(i, lp) for i, lp in _top(entry, top_n)]}
-            for t, entry in zip(token_ids, entries)]
+
+def _shared_prompt_logprobs(results: list[Response]) -> dict[int, list]:
+    # The engine computes a prompt's logprobs once, on its choice 0; every choice of the prompt shares them.
+    return {r.prompt_index: r.prompt_logprobs for r in results if r.prompt_logprobs is not None}
 
 
-def _sse_response(generation: Generation, events: AsyncIterator[dict]) -> StreamingResponse:
+def _sse_response(generation: Generation, events: AsyncIterator[dict], headers: dict[str, str]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
@@ -89,11 +106,13 @@ def _sse_response(generation: Generation, events: AsyncIterator[dict]) -> Stream
         generation.close()
 
     return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(release),
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
-def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_model_len: int | None) -> None:
-    """Add `/v1/models`, `/v1/completions` and `/v1/chat/completions` to `router`."""
+def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_model_len: int | None,
+                      strict_params: bool = False) -> None:
+    """Add `/v1/models`, `/v1/completions` and `/v1/chat/completions` to `router`; `strict_params`
+    refuses unknown body fields with a 400 instead of ignoring them."""
     tokenizer, offload = gateway.tokenizer, gateway.offload
     card: dict[str, Any] = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "fastgen"}
     if max_model_len is not None:
@@ -111,69 +130,93 @@ def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        req = await read_json_object(request, offload, lambda body: parse_completion(body, model_name))
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model_name}
-        generation = await gateway.start(req.prompts, req.params, "prompt", req.max_tokens_param)
+        req = await read_json_object(request, offload, lambda body: parse_completion(body, model_name, strict_params))
+        headers = ignored_notice(request.method, request.url.path, req.ignored)
+        head = {"id": req.response_id("cmpl", uuid.uuid4().hex), "object": "text_completion",
+                "created": int(time.time()), "model": model_name}
+        generation = await gateway.start(req.prompts, req.params, "prompt", req.max_tokens_param, keep_ids=req.echo,
+                                         add_special_tokens=req.add_special_tokens)
         try:
-            echoes = await offload.run(prompt_texts, tokenizer, req.prompts, False) if req.echo else None
+            echoes = (await offload.run(_echo_texts, tokenizer, req.prompts, generation.prompt_token_ids,
+                                        req.params.truncate_prompt_tokens) if req.echo else None)
         except BaseException:
             generation.close()
             raise
-        n = req.params.n
         if req.stream:
-            return _sse_response(generation, _completion_events(generation, req, head, echoes, gateway))
-        usage, choices = _Usage(), []
-        for r in await gateway.collect(request, generation):
+            return _sse_response(generation, _completion_events(generation, req, head, echoes, gateway), headers)
+        usage, choices = _Usage(req.echo_only), []
+        results = await gateway.collect(request, generation)
+        shared = _shared_prompt_logprobs(results)
+        # Only logprobs decode tokens: without them a choice is built here, not with a hop to a worker.
+        decodes = req.top_logprobs is not None or req.prompt_logprobs is not None
+        for r in results:
             usage.add(r)
-            logprobs = None
-            if req.top_logprobs is not None and r.logprobs:
-                logprobs, _ = await offload.run(_completion_logprobs, tokenizer, r.token_ids, r.logprobs,
-                                                req.top_logprobs, len(echoes[r.prompt_index]) if echoes else 0)
-            text = (echoes[r.prompt_index] if echoes else "") + r.generated_text
-            choices.append({"index": r.prompt_index * n + r.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": r.finish_reason})
-        return JSONResponse({**head, "choices": choices, "usage": usage.as_dict()})
+            p = r.prompt_index
+            args = (tokenizer, req, r, echoes[p] if echoes else None, generation.prompt_token_ids[p], shared.get(p),
+                    p * req.params.n + r.index)
+            choices.append(await offload.run(_completion_choice, *args) if decodes else _completion_choice(*args))
+        return JSONResponse({**head, "choices": choices, "usage": usage.as_dict()}, headers=headers)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        req = await read_json_object(request, offload, lambda body: parse_chat(body, model_name))
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        req = await read_json_object(request, offload, lambda body: parse_chat(body, model_name, strict_params))
+        headers = ignored_notice(request.method, request.url.path, req.ignored)
+        head = {"id": req.response_id("chatcmpl", uuid.uuid4().hex), "created": int(time.time()), "model": model_name}
         generation = await gateway.start(req.prompts, req.params, "messages", req.max_tokens_param)
         if req.stream:
-            return _sse_response(generation, _chat_events(generation, req, head, gateway))
+            return _sse_response(generation, _chat_events(generation, req, head, gateway), headers)
+        chat = req.prompts[0]
+        echo = chat.echo_text() if req.echo else ""
         usage, choices = _Usage(), []
-        for r in await gateway.collect(request, generation):
+        results = await gateway.collect(request, generation)
+        for r in results:
             usage.add(r)
             logprobs = None
             if req.top_logprobs is not None and r.logprobs:
-                content = await offload.run(_chat_logprobs, tokenizer, r.token_ids, r.logprobs, req.top_logprobs)
+                content = await offload.run(chat_logprobs, tokenizer, r.token_ids, r.logprobs, req.top_logprobs,
+                                            req.token_ids_as_text)
                 logprobs = {"content": content}
-            choices.append({"index": r.index, "message": {"role": "assistant", "content": r.generated_text},
+            choices.append({"index": r.index, "message": {"role": chat.response_role, "content": echo + r.generated_text},
                             "logprobs": logprobs, "finish_reason": r.finish_reason})
-        return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage.as_dict()})
+        body = {**head, "object": "chat.completion", "choices": choices, "usage": usage.as_dict()}
+        if req.prompt_logprobs is not None:
+            entries = _shared_prompt_logprobs(results).get(0)
+            body["prompt_logprobs"] = None if entries is None else await offload.run(
+                vllm_prompt_logprobs, tokenizer, entries, req.prompt_logprobs, req.token_ids_as_text)
+        return JSONResponse(body, headers=headers)
 
 
 async def _completion_events(generation: Generation, req: Parsed, head: dict, echoes: list[str] | None,
                              gateway: Gateway) -> AsyncIterator[dict]:
-    usage, offsets = _Usage(), {}
+    usage = _Usage(req.echo_only)
+    offsets: dict[tuple[int, int], int] = {}
+    prompt_lps: dict[int, list] = {}
     tail = {"usage": None} if req.include_usage else {}
     async for d in generation:
-        usage.add(d)
-        key = (d.prompt_index, d.index)
-        text = d.generated_text
+        choice_usage = usage.add(d)
+        key, p = (d.prompt_index, d.index), d.prompt_index
+        if d.prompt_logprobs is not None:
+            # On the first delta of choice 0, which comes before any other choice of the prompt starts.
+            prompt_lps[p] = d.prompt_logprobs
+        token_ids, entries, text = (([], [], "") if req.echo_only else
+                                    (d.token_ids, d.logprobs or [None] * len(d.token_ids), d.generated_text))
         if echoes is not None and key not in offsets:
-            text = echoes[d.prompt_index] + text
-        offset = offsets.setdefault(key, len(echoes[d.prompt_index]) if echoes else 0)
+            text = echoes[p] + text
+            prompt_ids = generation.prompt_token_ids[p] or []
+            token_ids = prompt_ids + token_ids
+            entries = (echo_entries(prompt_ids, prompt_lps.get(p)) or [None] * len(prompt_ids)) + entries
+        offset = offsets.get(key, 0)
+        # vLLM's rule: a chunk's offsets continue from the text sent so far.
+        offsets[key] = offset + len(text)
         final = d.finish_reason != "none"
         logprobs = None
-        if req.top_logprobs is not None and d.token_ids and d.logprobs:
-            logprobs, offsets[key] = await gateway.offload.run(_completion_logprobs, gateway.tokenizer, d.token_ids,
-                                                               d.logprobs, req.top_logprobs, offset)
+        if req.top_logprobs is not None and token_ids:
+            logprobs, _ = await gateway.offload.run(completion_logprobs, gateway.tokenizer, token_ids, entries,
+                                                    req.top_logprobs, offset, req.token_ids_as_text)
         if text or final or logprobs:
-            choice = {"index": d.prompt_index * req.params.n + d.index, "text": text, "logprobs": logprobs,
+            choice = {"index": p * req.params.n + d.index, "text": text, "logprobs": logprobs,
                       "finish_reason": d.finish_reason if final else None}
-            yield {**head, "choices": [choice], **tail}
+            yield {**head, "choices": [choice], **({"usage": choice_usage} if req.continuous_usage else tail)}
     if req.include_usage:
         yield {**head, "choices": [], "usage": usage.as_dict()}
 
@@ -181,21 +224,32 @@ async def _completion_events(generation: Generation, req: Parsed, head: dict, ec
 async def _chat_events(generation: Generation, req: Parsed, head: dict, gateway: Gateway) -> AsyncIterator[dict]:
     head = {**head, "object": "chat.completion.chunk"}
     tail = {"usage": None} if req.include_usage else {}
-    for index in range(req.params.n):
-        yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}], **tail}
+    chat = req.prompts[0]
+    echo = chat.echo_text() if req.echo else ""
     usage = _Usage()
+    started = False
     async for d in generation:
-        usage.add(d)
+        choice_usage = usage.add(d)
+        if not started:
+            # Sent with the first delta, as vLLM does: only then is the prompt's length known for `usage`.
+            started = True
+            opening = {**choice_usage, "completion_tokens": 0, "total_tokens": d.prompt_length}
+            for index in range(req.params.n):
+                for delta in ({"role": chat.response_role, "content": ""}, {"content": echo} if echo else None):
+                    if delta is not None:
+                        yield {**head, "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                                    "finish_reason": None}],
+                               **({"usage": opening} if req.continuous_usage else tail)}
         final = d.finish_reason != "none"
         logprobs = None
         if req.top_logprobs is not None and d.token_ids and d.logprobs:
-            content = await gateway.offload.run(_chat_logprobs, gateway.tokenizer, d.token_ids, d.logprobs,
-                                                req.top_logprobs)
+            content = await gateway.offload.run(chat_logprobs, gateway.tokenizer, d.token_ids, d.logprobs,
+                                                req.top_logprobs, req.token_ids_as_text)
             logprobs = {"content": content}
         delta = {"content": d.generated_text} if d.generated_text else {}
         if delta or final or logprobs:
             yield {**head, "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": d.finish_reason if final else None}], **tail}
+                                        "finish_reason": d.finish_reason if final else None}],
+                   **({"usage": choice_usage} if req.continuous_usage else tail)}
     if req.include_usage:
         yield {**head, "choices": [], "usage": usage.as_dict()}

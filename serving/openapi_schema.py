@@ -41,6 +41,7 @@ def _int(low: int, high: int | None = None) -> dict[str, Any]:
 def _sampling(limits: ServingLimits) -> dict[str, Any]:
     """The sampling fields the OpenAI routes share with SamplingParams."""
     stop_text = {"type": "string", "minLength": 1}
+    token_ids = {"type": "array", "items": _int(0)}
     return {
         "n": _int(1, limits.max_n),
         "stop": {"anyOf": [stop_text, {"type": "array", "items": stop_text}]},
@@ -50,15 +51,31 @@ def _sampling(limits: ServingLimits) -> dict[str, Any]:
         "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
         "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
         "top_k": _int(0),
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
         "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
         "ignore_eos": {"type": "boolean"},
-        "stop_token_ids": {"type": "array", "items": _int(0)},
+        "stop_token_ids": token_ids,
         "min_tokens": _int(0),
         "user": {"type": "string"},
-        "logit_bias": {"type": "object", "maxProperties": 0},
+        "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+        "allowed_token_ids": {**token_ids, "minItems": 1},
+        "bad_words": {"type": "array", "items": stop_text},
+        "skip_special_tokens": {"type": "boolean"},
+        "spaces_between_special_tokens": {"type": "boolean"},
+        "include_stop_str_in_output": {"type": "boolean"},
+        "truncate_prompt_tokens": {"anyOf": [_int(1), {"const": -1}]},
+        "prompt_logprobs": _int(0, MAX_LOGPROBS),
+        "priority": _int(-2**31, 2**31 - 1),
+        "request_id": {"type": "string", "minLength": 1, "maxLength": 256},
+        "return_tokens_as_token_ids": {"type": "boolean"},
+        "add_special_tokens": {"type": "boolean"},
+        "echo": {"type": "boolean"},
         "stream": {"type": "boolean"},
-        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
-                           "additionalProperties": False},
+        "stream_options": {"type": "object", "additionalProperties": False,
+                           "properties": {"include_usage": {"type": "boolean"},
+                                          "continuous_usage_stats": {"type": "boolean"}}},
+        "use_beam_search": {"type": "boolean", "enum": [False]},
     }
 
 
@@ -75,36 +92,45 @@ def _prompt_schema(limits: ServingLimits, max_prompt_chars: int | None, token_id
 
 
 def completion_body(model_name: str, limits: ServingLimits, max_model_len: int | None,
-                    max_prompt_chars: int | None) -> dict[str, Any]:
-    """JSON schema of a `/v1/completions` body."""
-    max_tokens = _int(1, max_model_len)
+                    max_prompt_chars: int | None, strict_params: bool = True) -> dict[str, Any]:
+    """JSON schema of a `/v1/completions` body (`strict_params`: no fields beyond these)."""
     return {
-        "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
+        "type": "object", "required": ["model", "prompt"], "additionalProperties": not strict_params,
         "properties": {
             "model": {"type": "string", "enum": [model_name]},
             "prompt": _prompt_schema(limits, max_prompt_chars, token_ids=True),
-            "max_tokens": max_tokens, **_sampling(limits),
-            "logprobs": _int(0, MAX_LOGPROBS), "echo": {"type": "boolean"}, "best_of": _int(1, limits.max_n),
+            # 0 only with echo: the prompt alone comes back (with its logprobs).
+            "max_tokens": _int(0, max_model_len), **_sampling(limits),
+            "logprobs": _int(0, MAX_LOGPROBS), "best_of": _int(1, limits.max_n),
             "suffix": {"type": "string", "maxLength": 0},
         },
     }
 
 
-def chat_body(model_name: str, limits: ServingLimits, max_model_len: int | None) -> dict[str, Any]:
-    """JSON schema of a `/v1/chat/completions` body."""
+def _messages() -> dict[str, Any]:
     part = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
     message = {"type": "object", "required": ["role"],
                "properties": {"role": {"type": "string", "minLength": 1},
                               "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]},
                               "name": {"type": "string"}}}
+    return {"type": "array", "minItems": 1, "items": message}
+
+
+_CHAT_TEMPLATE_OPTIONS = {"add_generation_prompt": {"type": "boolean"}, "continue_final_message": {"type": "boolean"},
+                          "chat_template_kwargs": {"type": "object"}}
+
+
+def chat_body(model_name: str, limits: ServingLimits, max_model_len: int | None,
+              strict_params: bool = True) -> dict[str, Any]:
+    """JSON schema of a `/v1/chat/completions` body (`strict_params`: no fields beyond these)."""
     return {
-        "type": "object", "required": ["model", "messages"], "additionalProperties": False,
+        "type": "object", "required": ["model", "messages"], "additionalProperties": not strict_params,
         "properties": {
             "model": {"type": "string", "enum": [model_name]},
-            "messages": {"type": "array", "minItems": 1, "items": message},
+            "messages": _messages(),
             "max_tokens": _int(1, max_model_len), "max_completion_tokens": _int(1, max_model_len),
-            **_sampling(limits),
+            **_sampling(limits), **_CHAT_TEMPLATE_OPTIONS,
             "logprobs": {"type": "boolean"}, "top_logprobs": _int(0, MAX_LOGPROBS),
             "tools": {"type": "array", "maxItems": 0}, "functions": {"type": "array", "maxItems": 0},
             "tool_choice": {"type": "string", "enum": ["none", "auto"]},
@@ -115,6 +141,27 @@ def chat_body(model_name: str, limits: ServingLimits, max_model_len: int | None)
             "service_tier": {"type": "string"},
         },
     }
+
+
+def tokenize_body(model_name: str, max_prompt_chars: int | None) -> dict[str, Any]:
+    """JSON schema of a `/tokenize` body: vLLM's completion form (`prompt`) or chat form (`messages`)."""
+    text: dict[str, Any] = {"type": "string"}
+    if max_prompt_chars is not None:
+        text["maxLength"] = max_prompt_chars
+    common = {"model": {"type": "string", "enum": [model_name]}, "add_special_tokens": {"type": "boolean"},
+              "return_token_strs": {"type": "boolean"}}
+    return {"oneOf": [
+        {"type": "object", "required": ["prompt"], "properties": {**common, "prompt": text}},
+        {"type": "object", "required": ["messages"],
+         "properties": {**common, "messages": _messages(), **_CHAT_TEMPLATE_OPTIONS}},
+    ]}
+
+
+def detokenize_body(model_name: str) -> dict[str, Any]:
+    """JSON schema of a `/detokenize` body."""
+    return {"type": "object", "required": ["tokens"],
+            "properties": {"model": {"type": "string", "enum": [model_name]},
+                           "tokens": {"type": "array", "items": _int(0)}}}
 
 
 def mii_body(limits: ServingLimits, max_model_len: int | None, max_prompt_chars: int | None) -> dict[str, Any]:
@@ -134,12 +181,17 @@ def mii_body(limits: ServingLimits, max_model_len: int | None, max_prompt_chars:
 
 
 def install_openapi(app: FastAPI, *, model_name: str, deployment_name: str, limits: ServingLimits,
-                    max_model_len: int | None, max_prompt_chars: int | None) -> None:
-    """Make `app.openapi()` (served at `/openapi.json`) describe the hand-parsed bodies and errors."""
+                    max_model_len: int | None, max_prompt_chars: int | None,
+                    public_paths: frozenset[str] = frozenset({"/health", "/healthz"}),
+                    strict_params: bool = True) -> None:
+    """Make `app.openapi()` (served at `/openapi.json`) describe the hand-parsed bodies and errors;
+    `public_paths` need no key, and `strict_params` says whether OpenAI bodies refuse unknown fields."""
     bodies = {
-        "/v1/completions": completion_body(model_name, limits, max_model_len, max_prompt_chars),
-        "/v1/chat/completions": chat_body(model_name, limits, max_model_len),
+        "/v1/completions": completion_body(model_name, limits, max_model_len, max_prompt_chars, strict_params),
+        "/v1/chat/completions": chat_body(model_name, limits, max_model_len, strict_params),
         "/mii/{name}": mii_body(limits, max_model_len, max_prompt_chars),
+        "/tokenize": tokenize_body(model_name, max_prompt_chars),
+        "/detokenize": detokenize_body(model_name),
     }
 
     def openapi() -> dict[str, Any]:
@@ -161,7 +213,7 @@ def install_openapi(app: FastAPI, *, model_name: str, deployment_name: str, limi
                 if path in bodies and method == "post":
                     operation["requestBody"] = {"required": True,
                                                 "content": {"application/json": {"schema": bodies[path]}}}
-                if path in ("/health", "/healthz"):
+                if path in public_paths:
                     continue
                 if limits.requires_key:
                     operation["security"] = [{"bearer": []}]

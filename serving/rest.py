@@ -27,12 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.gateway import Gateway, prompt_texts
-from fastgen.serving.http_guard import ApiError, HttpGuard, Offload, read_json_object
+from fastgen.serving.http_guard import ApiError, HttpGuard, Offload, public_routes, read_json_object
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.metrics import ServingMetrics
 from fastgen.serving.openai_api import add_openai_routes
 from fastgen.serving.openai_params import normalize_prompts, sampling_params
 from fastgen.serving.openapi_schema import install_openapi
+from fastgen.serving.utility_routes import add_utility_routes
 
 logger = logging.getLogger("fastgen")
 
@@ -68,11 +69,17 @@ class _RequestCounter:
 
 
 def _parse_mii(body: dict[str, Any]) -> tuple[list[str | list[int]], SamplingParams]:
-    """Validate a `/mii/{deployment}` body: MII's `prompts` and generation kwargs by name."""
+    """Validate a `/mii/{deployment}` body: MII's `prompts` and generation kwargs by name.
+
+    MII's gateway passed the body to its client's `generate(**body)`, so `stream` (a bool) is
+    accepted as MII's unary call accepted it; the answer is the full completions either way.
+    """
     if body.get("prompts") is None:
         raise ApiError(400, 'prompts is required: {"prompts": "..." or ["...", ...], <generation kwargs>}',
                        param="prompts")
     prompts = normalize_prompts(body.pop("prompts"), "prompts", flat_ids=False)
+    if not isinstance(body.pop("stream", False), bool):
+        raise ApiError(400, "stream must be a bool (true or false)", param="stream")
     names = SamplingParams.field_names()
     for key in body:
         if key not in names:
@@ -133,19 +140,23 @@ def _merged_limits(limits: ServingLimits | None, api_key: str | None,
 def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: str, api_key: str | None = None,
                max_model_len: int | None = None, metrics: ServingMetrics | None = None,
                on_terminate: Callable[[], None] | None = None, max_pending_requests: int | None = None,
-               limits: ServingLimits | None = None) -> FastAPI:
+               limits: ServingLimits | None = None, strict_params: bool = False,
+               protect_metrics: bool = False) -> FastAPI:
     """The gateway app over `backend` (an `EngineLoop` or anything with its `submit_async`).
 
     `model_name` is the id OpenAI clients send as `model`. `limits` holds the keys and bounds the
     deployment shares with its gRPC server: any of its `api_keys` (and `api_key`, the older form
-    of one key) is required as a bearer token everywhere but `/health` and `/healthz`; bodies over
+    of one key) is required as a bearer token everywhere but the probes (`/health`, `/healthz`,
+    `/ping`), `/version` and, unless `protect_metrics`, `/metrics`; bodies over
     `max_body_bytes` get 413; `max_pending_requests` (or the argument of that name) caps the
     sequences (prompts x n) in flight, answering 429 beyond it. `max_model_len` (the engine's
     context) enables the checks that refuse prompts too long for it before they are tokenized,
     and `max_tokens` that cannot fit with its prompt. `metrics` (create it with the engine's
     `stats` so `/metrics` shows queue depth and KV usage) is shared with other servers of the
-    deployment; `on_terminate` is called after `GET /terminate` answers. The schema is served at
-    `/openapi.json` (and `/docs`).
+    deployment (its vLLM-named series get `model_name` as their label); `on_terminate` is called
+    after `GET /terminate` answers. OpenAI bodies with fields this server does not know are served
+    with those fields ignored (a warning and an `X-Ignored-Fields` header), as vLLM does, or
+    refused with a 400 when `strict_params`. The schema is served at `/openapi.json` (and `/docs`).
     """
     if not callable(getattr(backend, "submit_async", None)):
         raise TypeError(f"backend must have submit_async(prompt, params) like EngineLoop, got {type(backend).__name__}")
@@ -161,6 +172,8 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
     if on_terminate is not None and not callable(on_terminate):
         raise TypeError("on_terminate must be callable or None")
     metrics = metrics if metrics is not None else ServingMetrics()
+    metrics.bind_model(model_name)
+    public = public_routes(protect_metrics)
     offload = Offload()
     gateway = Gateway(backend, tokenizer, metrics, limits, max_model_len, offload)
 
@@ -173,7 +186,7 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
                   docs_url="/docs", redoc_url=None, openapi_url="/openapi.json", lifespan=lifespan)
     app.state.gateway = gateway
     # Starlette wraps each middleware added around the previous ones: the counter sees the guard's refusals.
-    app.add_middleware(HttpGuard, limits=limits)
+    app.add_middleware(HttpGuard, limits=limits, public=public)
     app.add_middleware(_RequestCounter, metrics=metrics)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -190,7 +203,8 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
     for path, endpoint in (("/healthz", healthz), ("/health", health)):
         router.add_api_route(path, endpoint, methods=["GET"])
         router.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
-    add_openai_routes(router, gateway, model_name, max_model_len)
+    add_openai_routes(router, gateway, model_name, max_model_len, strict_params)
+    add_utility_routes(router, gateway, model_name, max_model_len, strict_params)
     _add_mii_routes(router, gateway, deployment_name, on_terminate)
 
     @router.get("/metrics")
@@ -200,7 +214,8 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
 
     app.include_router(router)
     install_openapi(app, model_name=model_name, deployment_name=deployment_name, limits=limits,
-                    max_model_len=max_model_len, max_prompt_chars=gateway.max_prompt_chars)
+                    max_model_len=max_model_len, max_prompt_chars=gateway.max_prompt_chars,
+                    public_paths=frozenset(public), strict_params=strict_params)
     return app
 
 
@@ -214,7 +229,7 @@ def _api_error(request: Request, exc: ApiError) -> JSONResponse:
 def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 404:
         message = (f"no route {request.method} {request.url.path[:200]} (see /v1/models, /v1/completions, "
-                   "/v1/chat/completions, /mii/<deployment>, /openapi.json)")
+                   "/v1/chat/completions, /tokenize, /mii/<deployment>, /openapi.json)")
     else:
         message = str(exc.detail)
     return ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None,

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from fastgen.block_manager import BlockManager, PrefixCacheStats
+from fastgen.engine.block_manager import BlockManager, PrefixCacheStats
 
 BS = 4
 

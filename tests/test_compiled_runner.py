@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fastgen
-from fastgen.step_inputs import HostStepInputs, StaticBuffers, pick_bucket
+from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, pick_bucket
 
 SMALL = dict(num_kv_blocks=48, block_size=4, token_budget=32, max_seqs=8, progress=False)
 
@@ -57,9 +57,9 @@ def test_pick_bucket():
 
 def test_static_buffers_pad_and_clear_stale_columns():
     buf = StaticBuffers(max_tokens=8, max_seqs=4, max_blocks_per_seq=5, device=torch.device("cpu"))
-    long_step = HostStepInputs(list(range(8)), list(range(8)), list(range(8)), [8], [0, 8], [[1, 2, 3, 4, 5]], [7])
+    long_step = HostStepInputs(list(range(8)), list(range(8)), list(range(8)), [[1, 2, 3, 4, 5]], [8], [0, 8], [7])
     buf.fill(long_step, 8)
-    short = HostStepInputs([9, 10, 11], [4, 0, 1], [17, 20, 21], [5, 2], [0, 1, 3], [[4, 5], [6]], [0, 2])
+    short = HostStepInputs([9, 10, 11], [4, 0, 1], [17, 20, 21], [[4, 5], [6]], [5, 2], [0, 1, 3], [0, 2])
     buf.fill(short, 4)
     ids, pos, slots, tables, seq_lens, qsl = buf.views(4)
     assert ids.tolist() == [9, 10, 11, 0] and pos.tolist() == [4, 0, 1, 0]
@@ -68,7 +68,7 @@ def test_static_buffers_pad_and_clear_stale_columns():
     assert qsl.tolist() == [0, 1, 3, 3, 3]
     assert tables.tolist() == [[4, 5, 0, 0, 0], [6, 0, 0, 0, 0], [0] * 5, [0] * 5]
     buf.fill(None, 2)
-    assert buf.views(2)[2].tolist() == [-1, -1] and buf.views(2)[4].tolist() == [0, 0]
+    assert buf.views(2).slot_mapping.tolist() == [-1, -1] and buf.views(2).seq_lens.tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("options, message", [

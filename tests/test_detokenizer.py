@@ -1,4 +1,4 @@
-"""Tests for fastgen.detokenizer: incremental decoding, stop strings and their combination."""
+"""Tests for fastgen.engine.detokenizer: incremental decoding, stop strings and their combination."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from kit_tokenizer import build_tokenizer  # noqa: E402
 
-from fastgen.detokenizer import IncrementalDetokenizer, StopStringMatcher, TextStream  # noqa: E402
+from fastgen.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, TextStream  # noqa: E402
 
 EOS = 2
 ENGLISH = (

@@ -9,7 +9,7 @@ import torch
 
 from fastgen import EngineConfig, SamplingParams
 from fastgen.engine import Engine
-from fastgen.engine_loop import EngineLoop
+from fastgen.engine import EngineLoop
 
 NUM_BLOCKS = 64
 

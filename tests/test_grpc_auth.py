@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from fastgen import EngineConfig
 from fastgen.engine import Engine
-from fastgen.engine_loop import EngineLoop
+from fastgen.engine import EngineLoop
 from fastgen.serving.backend import LocalBackend
 from fastgen.serving.client import AsyncClient, Client, client
 from fastgen.serving.grpc_server import MII_SERVICE, TYPED_SERVICE, GrpcServer

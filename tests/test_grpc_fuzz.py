@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fastgen import EngineConfig, SamplingParams
-from fastgen.distributed import TensorParallelError
+from fastgen.executor.distributed import TensorParallelError
 from fastgen.engine import Engine
-from fastgen.engine_loop import EngineLoop
+from fastgen.engine import EngineLoop
 from fastgen.serving.backend import LocalBackend
 from fastgen.serving.grpc_guard import RETRY_AFTER_KEY
 from fastgen.serving.grpc_server import ERROR_TYPE_KEY, GrpcServer

@@ -7,7 +7,7 @@ import pytest
 
 from fastgen import EngineConfig, SamplingParams
 from fastgen.engine import Engine, RequestFailed
-from fastgen.engine_loop import EngineLoop
+from fastgen.engine import EngineLoop
 
 NUM_BLOCKS = 96
 LONG_PROMPT = [5, 6, 7, 8, 9]

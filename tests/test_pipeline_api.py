@@ -7,6 +7,7 @@ tiny fp32 checkpoint is the oracle for greedy tokens, EOS / min_new_tokens handl
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pydoc_data.topics
 import pytest
@@ -14,7 +15,9 @@ import torch
 import transformers
 
 import fastgen
+from fastgen.api import MIICompatibilityWarning, mii_options
 from fastgen.sampling_params import SamplingParams
+from fastgen.serving.deployment import SERVE_OPTIONS
 
 SMALL = dict(num_kv_blocks=64, block_size=8, token_budget=32, max_seqs=8, progress=False)
 PROMPTS = ["The quick brown fox", "def f(x):", "Hello world, this is a longer prompt with more tokens"]
@@ -307,6 +310,7 @@ BAD_CALLS = [
     ({"prompt": "x"}, {}, TypeError, "got dict"),
     (["ok", None], {}, TypeError, "got NoneType"),
     (PROMPTS, dict(stop_token_ids=[10**6]), ValueError, "stop_token_ids"),
+    (PROMPTS, dict(stream="yes"), TypeError, "stream must be a bool"),
 ]
 
 
@@ -374,12 +378,127 @@ def test_kv_cache_pressure_preempts_and_still_matches_hf(path, hf):
 def test_mii_style_code_runs(path):
     import fastgen as mii
 
-    pipe = mii.pipeline(path, **SMALL)
+    # MII's way: options in model_config (DeepSpeed's names nested), all_rank_output, stream.
+    pipe = mii.pipeline(path, {"max_length": 200, "inference_engine_config": {"state_manager": {
+        "max_ragged_batch_size": 32, "max_ragged_sequence_count": 8, "memory_config": {"mode": "allocate", "size": 64}}}},
+        all_rank_output=True, block_size=8, progress=False)
     try:
-        response = pipe(["DeepSpeed is", "Seattle is"], max_new_tokens=5)
+        plan = pipe.engine.plan
+        assert (plan.token_budget, plan.max_seqs, pipe.engine.config.num_kv_blocks, pipe.engine.config.max_length) == \
+            (32, 8, 64, 200)
+        response = pipe(["DeepSpeed is", "Seattle is"], max_new_tokens=5, do_sample=False)
         assert len(response) == 2
         for r in response:
             assert isinstance(r.generated_text, str) and r.generated_length == 5
-            assert r.finish_reason == "length" and str(r) == r.generated_text
+            assert r.finish_reason == "length" and str(r) == repr(r) == r.generated_text
+            assert r.to_msg_dict() == {"generated_text": r.generated_text, "prompt_length": r.prompt_length,
+                                       "generated_length": 5, "finish_reason": "length"}
+            assert r.fields()["token_ids"] == r.token_ids and set(r.fields()) >= set(r.to_msg_dict())
+        assert repr(response) == f"[{response[0].generated_text}, {response[1].generated_text}]"  # print(responses)
+        # MII's client sends stream=True by itself; a call still answers in full, as does stream().
+        again = pipe(["DeepSpeed is", "Seattle is"], max_new_tokens=5, do_sample=False, stream=True)
+        assert [(r.token_ids, r.finish_reason) for r in again] == [(r.token_ids, r.finish_reason) for r in response]
+        assert "".join(d.generated_text for d in pipe.stream("DeepSpeed is", max_new_tokens=5, do_sample=False,
+                                                             stream=True)) == response[0].generated_text
     finally:
         pipe.destroy()
+
+
+def _options(*args, serving=False, **kwargs):
+    model, options = mii_options(*args, kwargs, serving=serving, native=SERVE_OPTIONS if serving else ())
+    return model, options
+
+
+@pytest.mark.parametrize("args, kwargs, want", [
+    (("m", None, None), dict(tensor_parallel=2, max_length=64), ("m", dict(tensor_parallel=2, max_length=64))),
+    (("", {"model_name_or_path": "m", "max_ragged_batch_size": 64}, None), {}, ("m", dict(token_budget=64))),
+    ((None, {"inference_engine_config": {"tp": {"tp_size": 2}, "manager": {"max_ragged_sequence_count": 4,
+                                                                          "max_context": 128}}}, None), {},
+     (None, dict(tensor_parallel=2, max_seqs=4, max_length=128))),
+    # MII's defaults of every refused or no-effect field are accepted quietly.
+    (("m", {"tokenizer": "m", "task": "text-generation", "quantization_mode": None, "replica_configs": [],
+            "device_map": "auto", "torch_dist_port": 29500, "zmq_port_number": 25555, "sync_debug": False,
+            "profile_model_time": False, "inference_engine_config": {"quantization": {"quantization_mode": None},
+                                                                     "state_manager": {"offload": False,
+                                                                                       "max_tracked_sequences": 2048,
+                                                                                       "memory_config": {}}}}, None),
+     {}, ("m", {})),
+    # fastgen's own options may sit in model_config too; the same value twice is no conflict.
+    (("m", {"dtype": "float32", "token_budget": 64}, None), dict(max_ragged_batch_size=64),
+     ("m", dict(dtype="float32", token_budget=64))),
+    (("m", None, None), dict(device_map=3), ("m", dict(tensor_parallel=1, device="cuda:3"))),
+    (("m", None, None), dict(device_map=[2, 3]), ("m", dict(tensor_parallel=2, device="cuda:2"))),
+    (("m", None, None), dict(device_map={"localhost": [[4, 5]]}, tensor_parallel=2),
+     ("m", dict(tensor_parallel=2, device="cuda:4"))),
+])
+def test_mii_options_for_a_pipeline(args, kwargs, want):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MIICompatibilityWarning)
+        assert _options(*args, **kwargs) == want
+
+
+@pytest.mark.parametrize("args, kwargs, exc, match", [
+    (("m", {"model_name_or_path": "n"}, None), {}, ValueError,
+     r"model: model_name_or_path = 'm' contradicts model_config\['model_name_or_path'\] = 'n'"),
+    (("m", {"tensor_parallel": 2}, None), dict(tensor_parallel=1), ValueError,
+     r"tensor_parallel = 1 contradicts model_config\['tensor_parallel'\] = 2"),
+    (("m", {"max_length": 64, "inference_engine_config": {"state_manager": {"max_context": 32}}}, None), {},
+     ValueError, r"max_length: .*max_length.* = 64 contradicts .*\['max_context'\] = 32"),
+    (("m", None, None), dict(token_budget=32, max_ragged_batch_size=64), ValueError, "token_budget = 32 contradicts"),
+    (("m", {"bogus": 1}, None), {}, TypeError, r"model_config\['bogus'\]: unknown field 'bogus'"),
+    (("m", {"inference_engine_config": {"state_manager": {"bogus": 1}}}, None), {}, TypeError,
+     r"\['state_manager'\]: unknown field 'bogus'"),
+    (("m", "not a dict", None), {}, TypeError, "model_config must be a dict"),
+    (("m", None, None), dict(mii_config={}), TypeError, "mii_config is an MII serve"),
+    (("m", None, None), dict(deployment_name="x"), TypeError, "deployment_name is an MII serve"),
+    (("m", {"port_number": 1}, None), {}, TypeError, r"model_config\['port_number'\]: port_number is an MII serve"),
+    (("m", None, None), dict(hostfile="/etc/hosts"), TypeError, "hostfile is an MII serve"),
+    (("m", None, None), dict(quantization_mode="wf6af16"), ValueError, "quantization_mode='wf6af16': fastgen has no"),
+    (("m", None, None), dict(tokenizer="other"), ValueError, "tokenizer='other': fastgen loads the tokenizer"),
+    (("m", None, None), dict(task="text2image"), ValueError, "text-generation only"),
+    (("m", None, None), dict(replica_configs=[{"hostname": "h"}]), ValueError, "replica_configs: fastgen places"),
+    (("m", None, None), dict(device_map=[[0], [1]]), ValueError, "a pipeline is one engine"),
+    (("m", None, None), dict(device_map=[1, 3]), ValueError, r"GPUs \[1, 3\] are not consecutive"),
+    (("m", None, None), dict(device_map={"gpu-box-7": [[0]]}), ValueError, "'gpu-box-7': fastgen deploys on this"),
+    (("m", None, None), dict(device_map=[2, 3], tensor_parallel=4), ValueError, "tensor_parallel = 4 contradicts"),
+    (("m", None, None), dict(device_map="balanced"), ValueError, "device_map must be 'auto'"),
+    (("m", None, None), dict(max_ragged_batch_size=0), ValueError, "max_ragged_batch_size must be a positive int"),
+    (("m", None, None), dict(inference_engine_config={"state_manager": {"offload": True}}), ValueError, "offloading"),
+    (("m", None, None), dict(inference_engine_config={"state_manager": {"memory_config": {"size": 10**8}}}),
+     ValueError, "mode 'reserve' with size=100000000 .* kv_cache_memory"),
+])
+def test_mii_options_refused_with_the_field_named(args, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        _options(*args, **kwargs)
+
+
+def test_mii_options_without_effect_warn_and_serve_options():
+    with pytest.warns(MIICompatibilityWarning, match=r"model_config\['torch_dist_port'\]=1234 has no effect"):
+        assert _options("m", {"torch_dist_port": 1234}, None) == ("m", {})
+    with pytest.warns(MIICompatibilityWarning, match="sync_debug=True has no effect.*CUDA_LAUNCH_BLOCKING"):
+        _options("m", None, None, sync_debug=True)
+    with pytest.warns(MIICompatibilityWarning, match=r"mii_config\['restful_processes'\]=4 has no effect"):
+        _options("m", None, {"restful_processes": 4}, serving=True)
+    mii_config = {"deployment_name": "d", "port_number": 50051, "enable_restful_api": True, "deployment_type": "local",
+                  "model_config": {"model_name_or_path": "m", "device_map": {"localhost": [[0, 1], [2, 3]]}}}
+    assert _options(None, None, mii_config, serving=True, max_seqs=4) == (
+        "m", dict(max_seqs=4, deployment_name="d", port_number=50051, enable_restful_api=True, tensor_parallel=2,
+                  replica_num=2))
+    with pytest.raises(ValueError, match="model_config and mii_config\\['model_config'\\] differ"):
+        _options("m", {"max_length": 8}, {"model_config": {"max_length": 9}}, serving=True)
+    with pytest.raises(ValueError, match="deployment_type'\\]='aml'.*Azure ML"):
+        _options("m", None, {"deployment_type": "aml"}, serving=True)
+    with pytest.raises(ValueError, match="cannot place them as \\[\\[1\\], \\[0\\]\\]"):
+        _options("m", None, None, serving=True, device_map=[[1], [0]])
+    with pytest.raises(TypeError, match="all_rank_output is a pipeline"):
+        _options("m", None, None, serving=True, all_rank_output=False)
+
+
+def test_all_rank_output_under_torchrun(path, monkeypatch):
+    with pytest.raises(TypeError, match="all_rank_output must be a bool"):
+        fastgen.pipeline(path, all_rank_output="yes", **SMALL)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="all_rank_output=True: under torchrun only rank 0 generates"):
+        fastgen.pipeline(path, all_rank_output=True, **SMALL)

@@ -20,7 +20,7 @@ import uvicorn
 
 from fastgen import EngineConfig
 from fastgen.engine import Engine
-from fastgen.engine_loop import EngineLoop
+from fastgen.engine import EngineLoop
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.rest import create_app
 

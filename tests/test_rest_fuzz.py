@@ -19,7 +19,7 @@ from schemathesis import GenerationMode
 
 from fastgen import EngineConfig
 from fastgen.engine import Engine
-from fastgen.engine_loop import EngineLoop
+from fastgen.engine import EngineLoop
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.rest import create_app
 
@@ -36,10 +36,17 @@ FIELDS = {
     "/v1/completions": ["model", "prompt", "max_tokens", "min_tokens", "n", "stop", "seed", "temperature", "top_p",
                         "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
                         "stop_token_ids", "stream", "stream_options", "logprobs", "echo", "best_of", "suffix",
-                        "logit_bias", "user"],
+                        "logit_bias", "user", "min_p", "bad_words", "allowed_token_ids", "skip_special_tokens",
+                        "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs", "priority",
+                        "request_id", "return_tokens_as_token_ids", "add_special_tokens", "use_beam_search"],
     "/v1/chat/completions": ["model", "messages", "max_tokens", "max_completion_tokens", "n", "stop", "seed",
                              "temperature", "top_p", "logprobs", "top_logprobs", "stream", "tools", "tool_choice",
-                             "response_format", "metadata"],
+                             "response_format", "metadata", "echo", "add_generation_prompt", "continue_final_message",
+                             "chat_template_kwargs", "chat_template", "prompt_logprobs", "logit_bias",
+                             "stream_options"],
+    "/tokenize": ["model", "prompt", "messages", "add_special_tokens", "return_token_strs", "add_generation_prompt",
+                  "chat_template_kwargs"],
+    "/detokenize": ["model", "tokens"],
     f"/mii/{DEPLOYMENT}": ["prompts", "max_length", "max_new_tokens", "min_new_tokens", "do_sample", "temperature",
                            "top_k", "top_p", "stop", "return_full_text", "seed", "stop_token_ids", "logprobs", "n",
                            "repetition_penalty"],
@@ -48,6 +55,8 @@ VALID = {
     "/v1/completions": {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 3},
     "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
     f"/mii/{DEPLOYMENT}": {"prompts": ["def main():"], "max_new_tokens": 3},
+    "/tokenize": {"model": MODEL, "prompt": "def main():"},
+    "/detokenize": {"model": MODEL, "tokens": [5, 6, 7]},
 }
 
 
@@ -81,11 +90,12 @@ def test_schemathesis_cases_from_the_openapi_schema_get_no_5xx(served):
     schema = schemathesis.openapi.from_asgi("/openapi.json", app, headers=AUTH)
     operations = [result.ok() for result in schema.get_all_operations()]
     labels = {op.label for op in operations}
-    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /mii/{name}", "GET /v1/models"} <= labels
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /mii/{name}", "GET /v1/models",
+            "POST /tokenize", "POST /detokenize"} <= labels
     statuses = {}
     for operation in operations:
         for mode, examples in ((GenerationMode.POSITIVE, 30), (GenerationMode.NEGATIVE, 30)):
-            if mode is GenerationMode.NEGATIVE and "{" not in operation.path and operation.method.upper() != "POST":
+            if mode is GenerationMode.NEGATIVE and "{" not in operation.path and not len(operation.body):
                 continue  # nothing to violate: no body, no path parameter
             @settings(max_examples=examples, **SETTINGS)
             @given(case=operation.as_strategy(generation_mode=mode))

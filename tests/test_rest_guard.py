@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from fastgen import EngineConfig
 from fastgen.engine import Engine
-from fastgen.engine_loop import EngineLoop, RequestFailed
+from fastgen.engine import EngineLoop, RequestFailed
 from fastgen.outputs import Response
 from fastgen.serving.http_guard import HttpGuard
 from fastgen.serving.limits import ServingLimits
@@ -87,11 +87,26 @@ def test_any_of_the_keys_is_accepted_and_health_stays_open(client):
         resp = client.get("/v1/models", headers=headers)
         assert resp.status_code == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
     anonymous = {"Authorization": ""}
-    for path in ("/openapi.json", "/docs", "/metrics", "/v1/nothing"):
+    for path in ("/openapi.json", "/docs", "/v1/nothing"):
         assert client.get(path, headers=anonymous).status_code == 401, path
+    for path in ("/tokenize", "/detokenize", "/v1/completions", "/metrics"):
+        assert client.post(path, json={}, headers=anonymous).status_code == 401, path  # open for reading only
     assert client.get("/health", headers=anonymous).json() == {"status": "ok"}
     assert client.head("/health", headers=anonymous).status_code == 200
     assert client.get("/healthz", headers=anonymous).text == "ok"
+    assert client.get("/metrics", headers=anonymous).status_code == 200
+    assert client.get("/version", headers=anonymous).json()["version"]
+    assert [client.request(m, "/ping", headers=anonymous).status_code for m in ("GET", "POST", "HEAD")] == [200] * 3
+
+
+def test_protect_metrics_puts_metrics_behind_the_key(loop):
+    app = create_app(loop, DEPLOYMENT, loop.engine.tokenizer, MODEL, limits=LIMITS, protect_metrics=True)
+    with TestClient(app) as c:
+        assert c.get("/metrics").status_code == 401
+        assert c.get("/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).status_code == 200
+        assert c.get("/ping").status_code == 200
+    schema_paths = app.openapi()["paths"]
+    assert "security" in schema_paths["/metrics"]["get"] and "security" not in schema_paths["/ping"]["get"]
 
 
 def test_openapi_schema_documents_the_hand_parsed_bodies(client):

@@ -15,7 +15,7 @@ from transformers import (  # noqa: E402
     TopPLogitsWarper,
 )
 
-from fastgen.sampler import Sampler, SamplingMetadata, make_generator  # noqa: E402
+from fastgen.engine.sampler import Sampler, SamplingMetadata, make_generator  # noqa: E402
 from fastgen.sampling_params import SamplingParams  # noqa: E402
 
 

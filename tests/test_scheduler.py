@@ -14,10 +14,10 @@ from collections import Counter
 
 import pytest
 
-from fastgen.block_manager import BlockManager
+from fastgen.engine.block_manager import BlockManager
 from fastgen.sampling_params import SamplingParams
-from fastgen.scheduler import ScheduledBatch, Scheduler
-from fastgen.sequence import Sequence, SequenceStatus
+from fastgen.engine.scheduler import ScheduledBatch, Scheduler
+from fastgen.engine.sequence import Sequence, SequenceStatus
 
 VOCAB = 50
 PARAMS = SamplingParams()
@@ -66,7 +66,7 @@ class Sim:
         return [s for seqs in self.requests.values() for s in seqs]
 
     def step(self) -> ScheduledBatch:
-        """One engine step: schedule, write fake KV, advance, fork, sample, finish; then check."""
+        """One engine step: schedule, write fake KV, postprocess (advance, fork), sample, finish; then check."""
         sched, bm = self.sched, self.bm
         running_before = {s.seq_id: s.num_pending_tokens for s in sched.running}
         waiting_before = list(sched.waiting)
@@ -77,14 +77,10 @@ class Sim:
             ids = seq.token_ids
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
                 self.kv[bm.slot(seq.seq_id, pos)] = (pos, ids[pos])
-        to_sample = []
-        for seq, num_new in batch.chunks:
-            seq.num_computed_tokens += num_new
+        to_sample = sched.postprocess(batch.chunks)  # the engine's own bookkeeping
+        assert to_sample == [s for s, _ in batch.chunks if s.num_computed_tokens == s.num_tokens]
+        for seq, _ in batch.chunks:
             self._check_kv(seq)  # every computed position reads back its own token
-            if seq.num_computed_tokens == seq.num_tokens:
-                to_sample.append(seq)
-                if seq.children and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                    sched.fork_children(seq)
         for seq in to_sample:
             seq.output_token_ids.append(fake_token(seq))
             if len(seq.output_token_ids) >= self.max_new[seq.seq_id]:

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 import fastgen
 from fastgen import EngineConfig, SamplingParams
 from fastgen.engine import Engine
-from fastgen.engine_loop import EngineLoop
+from fastgen.engine import EngineLoop
 from fastgen.serving.backend import LocalBackend
 from fastgen.serving.client import AsyncClient, Client
 from fastgen.serving.convert import params_from_proto, params_to_proto, value_from_mii
@@ -133,6 +133,31 @@ def test_mii_generator_reply_and_stream(served, pipe):
     assert ["".join(m.response[i].response for m in stream) for i in range(2)] == [w.generated_text for w in want]
     assert [r.finish_reason for r in stream[-1].response] == ["length", "length"]
     assert all(r.finish_reason == "none" for m in stream[:-1] for r in m.response if r.generated_tokens < 6)
+
+
+def test_mii_stream_kwarg_is_accepted_and_changes_nothing(served, pipe):
+    """MII's client adds stream=True to every streaming call (and MII's server chose per-token replies
+    by it): both methods take it, the unary one still answers in full, the streaming one streams."""
+    base = {"max_new_tokens": mii_pb.Value(ivalue=5), "do_sample": mii_pb.Value(bvalue=False),
+            "ignore_eos": mii_pb.Value(bvalue=True)}
+    want = [w.generated_text for w in pipe(["Hello there"], max_new_tokens=5, do_sample=False, ignore_eos=True)]
+    for stream in (True, False):
+        request = mii_pb.MultiStringRequest(request=["Hello there"],
+                                            query_kwargs={**base, "stream": mii_pb.Value(bvalue=stream)})
+        reply = served.mii.GeneratorReply(request)
+        assert [(r.response, r.generated_tokens, r.finish_reason) for r in reply.response] == [(want[0], 5, "length")]
+        replies = list(served.mii.GeneratorReplyStream(request))
+        assert len(replies) > 1 and "".join(m.response[0].response for m in replies) == want[0]
+    bad = mii_pb.MultiStringRequest(request=["Hello"], query_kwargs={**base, "stream": mii_pb.Value(svalue="yes")})
+    for method in (served.mii.GeneratorReply, lambda r: list(served.mii.GeneratorReplyStream(r))):
+        with pytest.raises(grpc.RpcError) as err:
+            method(bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "query_kwargs['stream'] must be a bool" in err.value.details()
+    # fastgen's own clients take MII's flag too (MII code passes it to mii.client(...).generate).
+    assert [r.generated_text for r in served.client.generate(["Hello there"], max_new_tokens=5, do_sample=False,
+                                                             ignore_eos=True, stream=True)] == want
+    _wait_idle(served.engine)
 
 
 def test_health_reflection_and_loading_state(served):

@@ -97,8 +97,14 @@ def test_serve_client_terminate_and_start_errors(tiny_checkpoints, tmp_path, mon
             fastgen.serve(path, bogus=1)
         with pytest.raises(ValueError, match="tensor_parallel must be in"):
             fastgen.serve(path, tensor_parallel=0)
-        with pytest.raises(NotImplementedError, match="device_map"):
+        with pytest.raises(ValueError, match="device_map must be 'auto'"):
             fastgen.serve(path, device_map="balanced")
+        with pytest.raises(ValueError, match=r"mii_config\['deployment_type'\]='aml'"):
+            fastgen.serve(path, mii_config={"deployment_type": "aml"})
+        with pytest.raises(ValueError, match="port_number: .*contradicts"):
+            fastgen.serve(path, port_number=port, mii_config={"port_number": port + 1})
+        with pytest.raises(TypeError, match="all_rank_output is a pipeline"):
+            fastgen.serve(path, all_rank_output=False)
         with pytest.raises(ValueError, match="max_length"):
             fastgen.serve(path, max_length=0)
         with pytest.raises(ValueError, match="max_n must be a positive int"):

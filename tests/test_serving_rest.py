@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import fastgen
 from fastgen import EngineConfig
 from fastgen.engine import Engine
-from fastgen.engine_loop import EngineLoop
+from fastgen.engine import EngineLoop
 from fastgen.serving.metrics import ServingMetrics
 from fastgen.serving.rest import create_app
 
@@ -231,9 +231,15 @@ def test_mii_route_body_and_response_shape(served, http, pipe):
     assert missing.status_code == 404 and "other-deployment" in missing.json()["error"]["message"]
 
 
-def test_api_key_required_except_health(served, client):
-    for path in ("/v1/models", "/metrics", "/terminate"):
+def test_api_key_required_except_probes_version_and_metrics(served, client):
+    for path in ("/v1/models", "/terminate"):
         assert httpx.get(served.url + path).status_code == 401
+    for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/completions")):
+        assert httpx.request(method, served.url + path, json={}).status_code == 401
+    # Open as in vLLM: probes, the version and Prometheus' scrape (--protect-metrics closes it).
+    for method, path in (("GET", "/metrics"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/version"),
+                         ("HEAD", "/health")):
+        assert httpx.request(method, served.url + path).status_code == 200, (method, path)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic " + KEY}):
         resp = httpx.post(served.url + f"/mii/{DEPLOYMENT}", json={"prompts": P1}, headers=headers)
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
@@ -248,9 +254,9 @@ BAD_COMPLETIONS = [
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
     ({"n": 0}, "n"), ({"stop": [""]}, "stop"), ({"stop": 5}, "stop"), ({"logprobs": 50}, "logprobs"),
     ({"seed": -1}, "seed"), ({"presence_penalty": 3}, "presence_penalty"),
-    ({"frequency_penalty": "x"}, "frequency_penalty"), ({"stream": "yes"}, "stream"), ({"bogus": 1}, "bogus"),
+    ({"frequency_penalty": "x"}, "frequency_penalty"), ({"stream": "yes"}, "stream"),
     ({"prompt": None}, "prompt"), ({"prompt": [1.5]}, "prompt"), ({"prompt": [[10**6]]}, "prompt"),
-    ({"prompt": ""}, "prompt"), ({"model": None}, "model"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": ""}, "prompt"), ({"model": None}, "model"), ({"echo": "yes"}, "echo"),
     ({"max_tokens": 2.5}, "max_tokens"), ({"stream_options": {"include_usage": True}}, "stream_options"),
 ]
 BAD_CHAT = [

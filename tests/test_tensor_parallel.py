@@ -5,6 +5,7 @@ workload is the engine parity test's (34 prompts of 1..64 tokens, chunked by a 1
 preempted by a 40-block cache, a shared prefix hitting the prefix cache).
 """
 
+import dataclasses
 import os
 import signal
 import socket
@@ -17,10 +18,10 @@ import pytest
 import torch
 
 import fastgen
-from fastgen.distributed import TensorParallelError, pack_step, unpack_step
+from fastgen.executor.distributed import CMD_STEP, TensorParallelError
 from fastgen.models.loader import load_model
 from fastgen.models.parallel import TensorParallel
-from fastgen.step_inputs import HostStepInputs
+from fastgen.executor.step_inputs import HostStepInputs
 from kit import build_checkpoint, hf_greedy
 from test_engine_parity import NUM_NEW, TOKEN_BUDGET, _workload
 
@@ -45,7 +46,7 @@ def _worker_processes(parent: int | None = None) -> list[int]:
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"fastgen.tp_worker" in cmd and str(parent or os.getpid()).encode() in cmd and state != "Z":
+        if b"fastgen.executor.tp_worker" in cmd and str(parent or os.getpid()).encode() in cmd and state != "Z":
             pids.append(int(entry))
     return pids
 
@@ -178,12 +179,13 @@ def test_torchrun_launch_serves_rank_0(tiny_checkpoints, tmp_path):
 
 
 def test_step_inputs_survive_the_broadcast_encoding():
-    host = HostStepInputs([3, 4, 5, 6], [0, 1, 7, 2], [8, 9, 30, 2], [2, 8, 3], [0, 2, 3, 4],
-                          [[1], [3, 4, 5], [0]], [1, 2, 3])
-    header, payload = pack_step(host)
-    assert unpack_step(header.tolist(), payload) == HostStepInputs(
-        host.input_ids, host.positions, host.slot_mapping, host.seq_lens, host.query_start_loc,
-        [[1, 0, 0], [3, 4, 5], [0, 0, 0]], host.logits_indices)
+    host = HostStepInputs(input_ids=[3, 4, 5, 6], positions=[0, 1, 7, 2], slot_mapping=[8, 9, 30, 2],
+                          block_tables=[[1], [3, 4, 5], [0]], seq_lens=[2, 8, 3], query_start_loc=[0, 2, 3, 4],
+                          logits_indices=[1, 2, 3])
+    header, payload = host.pack(CMD_STEP)
+    assert header.tolist()[0] == CMD_STEP and len(payload) == HostStepInputs.payload_size(header.tolist())
+    assert HostStepInputs.unpack(header.tolist(), payload) == dataclasses.replace(
+        host, block_tables=[[1, 0, 0], [3, 4, 5], [0, 0, 0]])
 
 
 def test_each_rank_loads_only_its_slice(tiny_checkpoints):

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import Any, Callable
 
-from fastgen.distributed import TensorParallelError
-from fastgen.engine import Engine, PreparedRequest, RequestFailed
+from fastgen.executor.distributed import TensorParallelError
+from fastgen.engine.engine import Engine, PreparedRequest, RequestFailed
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 

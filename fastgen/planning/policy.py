@@ -13,9 +13,13 @@ from typing import Any, Callable
 
 import torch
 
-from fastgen.hardware import Hardware, detect_hardware
-from fastgen.model_facts import ModelFacts, model_facts
-from fastgen.plan import PLAN_FIELDS, Plan, dtype_name, format_bytes, format_count, normalise_overrides
+from fastgen.models.quant import DEFAULT_GROUP_SIZE
+from fastgen.planning.hardware import Hardware, detect_hardware
+from fastgen.planning.memory import (CPU_KV_RAM_FRACTION, GPU_MEMORY_FRACTION, activation_reserve,
+                                     check_fits, choose_group_size, choose_quantization, divides_heads, gpu_need,
+                                     kv_room, tp_candidates, usable_gpu_bytes, weights_label)
+from fastgen.planning.model_facts import ModelFacts, model_facts
+from fastgen.planning.plan import PLAN_FIELDS, Plan, dtype_name, format_bytes, format_count, normalise_overrides
 
 FASTGEN_TOKEN_BUDGET = 768  # FastGen's max_ragged_batch_size
 FASTGEN_MAX_SEQS = 512  # FastGen's max_ragged_sequence_count
@@ -29,12 +33,8 @@ CPU_WEIGHT_STREAM_GBPS_PER_CORE = 11.5
 CPU_STEP_TARGET_S = 0.5
 # Every step streams all weights once; the budget keeps that under 10% of a step's matmul time.
 CPU_STREAM_SHARE = 0.1
-CPU_KV_RAM_FRACTION = 0.2  # RAM is shared with the OS, the page cache and other processes
 A100_BF16_TFLOPS = 312.0  # the GPU FastGen's 768-token budget was tuned on (dense bf16 spec)
 H200_BF16_TFLOPS = 790.0  # measured on the H200 (REFERENCE.md section 3)
-GPU_MEMORY_FRACTION = 0.9  # of free device memory; the rest absorbs fragmentation
-GPU_WORKSPACE_BYTES = 512 << 20  # cuBLAS/Triton workspaces and CUDA-graph pool slack
-KV_ROOM = 0.2  # a device must hold the weights plus 20% more for KV cache
 # A 768-token fp32 step of 30M params takes 0.25 s on this CPU; below that, precision costs no time.
 TINY_FP32_PARAMS = 30_000_000
 
@@ -58,7 +58,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
         return value
 
     def reserve(tp: int) -> int:
-        return _activation_reserve(model, hardware, dtype, budget, max_seqs, tp)
+        return activation_reserve(model, hardware, dtype, budget, max_seqs, tp)
 
     dtype = pick("dtype", lambda: _choose_dtype(model, hardware))
     attention = pick("attention_backend", lambda: _choose_attention(hardware))
@@ -80,18 +80,24 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
         raise ValueError(f"token_budget {budget} is smaller than the largest bucket {buckets[-1]}: that bucket could never fill")
     if max_seqs > budget:
         raise ValueError(f"max_seqs {max_seqs} exceeds token_budget {budget}: each scheduled sequence needs a token")
-    tp = pick("tensor_parallel", lambda: _choose_tensor_parallel(model, hardware, dtype, reserve))
+    tps = [user["tensor_parallel"]] if "tensor_parallel" in user else tp_candidates(model, hardware)
+    group = user.get("quantization_group_size", DEFAULT_GROUP_SIZE)
+    quant = pick("quantization", lambda: choose_quantization(model, hardware, dtype, group, tps, reserve, block_size))
+    weights, label = model.weight_bytes(dtype, quant, group), weights_label(dtype, quant)
+    tp = pick("tensor_parallel", lambda: _choose_tensor_parallel(model, hardware, weights, label, reserve))
     if "tensor_parallel" in user:
-        _check_fits(model, hardware, dtype, tp, reserve(tp))
+        check_fits(hardware, weights, label, tp, reserve(tp))
+    group = pick("quantization_group_size", lambda: choose_group_size(model, quant, tp))
+    weights = model.weight_bytes(dtype, quant, group)
     replicas = pick("replica_num", lambda: _choose_replicas(hardware, tp))
     if not cpu and tp * replicas > hardware.gpu_count * hardware.nodes:
         raise ValueError(f"tensor_parallel {tp} x replica_num {replicas} needs {tp * replicas} GPUs; "
                          f"this machine has {hardware.gpu_count}")
-    kv_room = _kv_room(model, hardware, dtype, tp, reserve(tp))
-    kv = _choose_kv_memory(model, hardware, dtype, tp, kv_room, max_seqs, block_size, user.get("kv_cache_memory"))
+    room = kv_room(hardware, weights, tp, reserve(tp))
+    kv = _choose_kv_memory(model, hardware, dtype, tp, room, max_seqs, block_size, user.get("kv_cache_memory"))
     reasons["kv_cache_memory"] = kv[1]
     reasons = {name: reasons[name] for name in PLAN_FIELDS}
-    return Plan(dtype=dtype, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
+    return Plan(dtype=dtype, quantization=quant, quantization_group_size=group, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
                 buckets=tuple(buckets), token_budget=budget, max_seqs=max_seqs, block_size=block_size,
                 kv_cache_memory=kv[0], tensor_parallel=tp, replica_num=replicas, reasons=reasons)
 
@@ -223,22 +229,21 @@ def _choose_buckets(hw: Hardware, budget: int) -> tuple[tuple[int, ...], str]:
                           f"the budget: {len(sizes)} compiles + captures at start (pass fewer buckets to start faster)")
 
 
-def _choose_tensor_parallel(model: ModelFacts, hw: Hardware, dtype: torch.dtype,
+def _choose_tensor_parallel(model: ModelFacts, hw: Hardware, weights: int, label: str,
                             reserve: Callable[[int], int]) -> tuple[int, str]:
     """1 if the weights (+20% KV room) fit one device, else the smallest power of two that fits."""
-    weights = model.weight_bytes(dtype)
     if hw.device_type == "cpu":
-        _check_fits(model, hw, dtype, 1, reserve(1))
+        check_fits(hw, weights, label, 1, reserve(1))
         return 1, (f"one process already spreads each matmul over all {hw.cpu_cores} cores; "
                    f"{format_bytes(weights)} of weights fit the {format_bytes(hw.ram_available)} of RAM available")
-    usable = _usable_gpu_bytes(hw)
+    usable = usable_gpu_bytes(hw)
 
     def need(tp: int) -> float:
-        return weights / tp * (1 + KV_ROOM) + reserve(tp)
+        return gpu_need(weights, tp, reserve(tp))
 
     if need(1) <= usable:
         return 1, f"{format_bytes(weights)} of weights (+20% KV room) fit one GPU ({format_bytes(usable)} usable)"
-    candidates = [1 << i for i in range(1, hw.gpu_count.bit_length()) if _divides_heads(model, 1 << i)]
+    candidates = tp_candidates(model, hw)[1:]
     for tp in candidates:
         if need(tp) <= usable:
             return tp, (f"{format_bytes(weights)} of weights (+20% KV room) need {format_bytes(need(tp // 2))} "
@@ -246,7 +251,7 @@ def _choose_tensor_parallel(model: ModelFacts, hw: Hardware, dtype: torch.dtype,
                         f"{format_bytes(need(tp))} and divides {model.num_heads} heads / {model.num_kv_heads} KV heads")
     largest = candidates[-1] if candidates else 1
     raise ValueError(
-        f"model too large: {format_bytes(weights)} of {dtype_name(dtype)} weights (+20% KV room) need "
+        f"model too large: {format_bytes(weights)} of {label} weights (+20% KV room) need "
         f"{format_bytes(need(largest))} per GPU even at TP={largest}, and each of the {hw.gpu_count} GPU(s) has "
         f"{format_bytes(usable)} usable"
         + ("" if candidates or hw.gpu_count == 1 else f" (no power-of-two TP divides {model.num_heads} heads)"))
@@ -290,7 +295,7 @@ def _choose_kv_memory(model: ModelFacts, hw: Hardware, dtype: torch.dtype, tp: i
     return kv, why
 
 
-# Checks and estimates -------------------------------------------------------------------------
+# Checks -----------------------------------------------------------------------------------------
 
 
 def _check_overrides_fit_hardware(user: dict[str, Any], model: ModelFacts, hw: Hardware) -> None:
@@ -314,44 +319,9 @@ def _check_overrides_fit_hardware(user: dict[str, Any], model: ModelFacts, hw: H
                              + (f" ({hw.nodes} machines)" if hw.nodes > 1 else ""))
         if cpu and tp > hw.cpu_cores:
             raise ValueError(f"tensor_parallel {tp} is larger than the {hw.cpu_cores} CPU cores here")
-        if not _divides_heads(model, tp):
+        if not divides_heads(model, tp):
             raise ValueError(f"tensor_parallel {tp} must divide the {model.num_heads} attention heads, and the "
                              f"{model.num_kv_heads} KV heads must divide by it or into it")
-
-
-def _check_fits(model: ModelFacts, hw: Hardware, dtype: torch.dtype, tp: int, reserve: int) -> None:
-    """Raise ValueError when the weights at `tp` leave no room for a KV cache."""
-    if _kv_room(model, hw, dtype, tp, reserve) <= 0:
-        where = "RAM" if hw.device_type == "cpu" else "GPU memory"
-        raise ValueError(f"model too large: {format_bytes(model.weight_bytes(dtype))} of {dtype_name(dtype)} weights at "
-                         f"tensor_parallel {tp} leave no {where} for the KV cache")
-
-
-def _kv_room(model: ModelFacts, hw: Hardware, dtype: torch.dtype, tp: int, reserve: int) -> int:
-    """Bytes per device left for the KV cache after weights and activations."""
-    total = hw.ram_available if hw.device_type == "cpu" else _usable_gpu_bytes(hw)
-    return int(total - model.weight_bytes(dtype) / tp - reserve)
-
-
-def _activation_reserve(model: ModelFacts, hw: Hardware, dtype: torch.dtype, budget: int, max_seqs: int, tp: int) -> int:
-    """Peak activation bytes of one full step per device, with slack for buffer reuse."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
-    per_token = 3 * model.hidden_size + (qkv + 3 * model.intermediate_size) // tp
-    logits = max_seqs * model.vocab_size * 4 * 2  # fp32 logits plus the sampler's working copy
-    workspace = GPU_WORKSPACE_BYTES if hw.device_type == "cuda" else 0
-    return 2 * budget * per_token * itemsize + logits + workspace
-
-
-def _usable_gpu_bytes(hw: Hardware) -> int:
-    """The policy's share of the least free GPU."""
-    return int(GPU_MEMORY_FRACTION * min(g.free_memory for g in hw.gpus))
-
-
-def _divides_heads(model: ModelFacts, tp: int) -> bool:
-    """Whether `tp` ranks can split the heads (KV heads split, or copied when fewer than ranks)."""
-    kv = model.num_kv_heads
-    return model.num_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
 
 
 def _cpu_rates(hw: Hardware) -> str:

@@ -10,18 +10,62 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from fastgen.models.config import ModelConfig
-from fastgen.step_inputs import HostStepInputs, StaticBuffers, make_metadata, pick_bucket
+from fastgen.models.loader import LoadedModel, load_model
+from fastgen.models.parallel import SINGLE, TensorParallel
+from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, StepTensors, pick_bucket
 
 logger = logging.getLogger("fastgen")
 
 COMPILE_MODES = ("off", "default", "max-autotune")
 """`compile` settings: no torch.compile; Inductor's default; Inductor with autotuned kernels."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerSpec:
+    """Everything a `ModelRunner` is built from besides the model itself: made once by the engine
+    from its plan, and sent as is (pickled once) to every tensor-parallel worker, so every rank
+    builds the same runner."""
+
+    model_dir: str
+    """Local checkpoint directory (workers load their own shard from it)."""
+    dtype: torch.dtype
+    """Weights and KV-cache dtype."""
+    device_type: str
+    """"cpu" or "cuda"; on CUDA each rank uses its own device (see `rank_device`)."""
+    device_index: int
+    """CUDA device index of rank 0; spawned rank r uses `device_index + r`."""
+    num_blocks: int
+    """KV blocks per rank (each rank holds its KV heads of every block)."""
+    block_size: int
+    """Tokens per KV block."""
+    max_model_len: int
+    """Longest sequence (sizes the block tables)."""
+    max_seqs: int = 1
+    """Sequences per step."""
+    quantization: str = "none"
+    """Weight-only quantization of the decoder linears ("none", "int8", "int4"): each rank quantizes
+    its own shard as it loads it (`load_model`)."""
+    quantization_group_size: int = 128
+    """Input features per int4 scale and zero."""
+    attention_backend: str = "torch"
+    """"torch" or "triton"."""
+    buckets: tuple[int, ...] = ()
+    """Static step sizes to compile/capture, ascending (empty: exact shapes, eager)."""
+    compile: str = "off"
+    """torch.compile mode of the step, one of `COMPILE_MODES`."""
+    cuda_graphs: bool = False
+    """Capture each bucket once as a CUDA graph (CUDA only)."""
+    num_threads: int = 0
+    """CPU threads for a tensor-parallel worker (ranks share one machine's cores); 0 = leave as is."""
+    progress: bool = False
+    """Show a progress bar while compiling buckets."""
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -31,25 +75,23 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return 2 * config.num_layers * block_size * kv_heads * config.head_dim * itemsize
 
 
+def load_for_spec(spec: RunnerSpec, device: torch.device, parallel: TensorParallel = SINGLE,
+                  progress: bool = False) -> LoadedModel:
+    """The model `spec` describes, loaded onto `device` (this rank's shard under `parallel`)."""
+    return load_model(spec.model_dir, dtype=spec.dtype, device=device, progress=progress, parallel=parallel,
+                      quantization=spec.quantization, quantization_group_size=spec.quantization_group_size)
+
+
 class ModelRunner:
     """Owns the model and its paged KV cache and executes scheduled batches."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        config: ModelConfig,
-        num_blocks: int,
-        block_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        attention_backend: str = "auto",
-        buckets: list[int] | tuple[int, ...] = (),
-        max_seqs: int = 1,
-        max_model_len: int = 1,
-        compile: str = "off",
-        cuda_graphs: bool = False,
-        progress: bool = True,
-    ) -> None:
+    def __init__(self, model: nn.Module, config: ModelConfig, spec: RunnerSpec, device: torch.device) -> None:
+        """Allocate the KV cache and static buffers on `device` and compile (and capture) every bucket."""
+        self.spec = spec
+        attention_backend, compile, cuda_graphs, buckets = (spec.attention_backend, spec.compile, spec.cuda_graphs,
+                                                            spec.buckets)
+        num_blocks, block_size, dtype = spec.num_blocks, spec.block_size, spec.dtype
+        max_seqs, max_model_len, progress = spec.max_seqs, spec.max_model_len, spec.progress
         if attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"attention_backend='triton' on {device.type} needs a CUDA GPU, or TRITON_INTERPRET=1 "
                              "set before the engine starts (the Triton interpreter, slow: for tests)")
@@ -98,11 +140,10 @@ class ModelRunner:
             self._recompile_limit = others + len(self.buckets) + 8
             self._warm_up(progress)
 
-    def _forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc) -> torch.Tensor:
-        """The model step over plain tensors (what torch.compile and CUDA graphs see)."""
-        md = make_metadata((input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc),
-                           self.attention_backend)
-        return self.model(input_ids, positions, md, self.kv_caches)
+    def _forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        """The model step over the `StepTensors` as plain tensors (what torch.compile and CUDA graphs see)."""
+        step = StepTensors(*tensors)
+        return self.model(step.input_ids, step.positions, step.metadata(self.attention_backend), self.kv_caches)
 
     def _recompile_budget(self):
         """Dynamo's recompile limit, raised for this call only: every bucket is one specialisation."""
@@ -133,11 +174,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, host: HostStepInputs) -> torch.Tensor | None:
-        """Run one step (`build_host_inputs` of the scheduled chunks); fp32 logits `[N, vocab]` for the
-        chunks that end their sequence, in order (None on tensor-parallel ranks other than 0)."""
+        """Run one step (the engine's scheduled chunks, flattened); fp32 logits `[N, vocab]` of the rows
+        in `host.logits_indices`, in order (None on tensor-parallel ranks other than 0)."""
         bucket = pick_bucket(self.buckets, host.num_tokens) if self.buckets else None
         if bucket is None:
-            hidden = self._forward(*self._exact_tensors(host))
+            hidden = self._forward(*host.to_device(self.device))
         else:
             self.buffers.fill(host, bucket)
             if bucket in self._graphs:
@@ -151,17 +192,3 @@ class ModelRunner:
                 hidden = self._forward(*self.buffers.views(bucket))
         logits_indices = torch.tensor(host.logits_indices, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[logits_indices])
-
-    def _exact_tensors(self, host) -> tuple[torch.Tensor, ...]:
-        """Unpadded device tensors of a step (eager path: no bucket holds it, or no buckets)."""
-        dev = self.device
-        width = max(len(t) for t in host.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in host.block_tables]
-        return (
-            torch.tensor(host.input_ids, dtype=torch.int64).to(dev),
-            torch.tensor(host.positions, dtype=torch.int64).to(dev),
-            torch.tensor(host.slot_mapping, dtype=torch.int64).to(dev),
-            torch.tensor(tables, dtype=torch.int32).to(dev),
-            torch.tensor(host.seq_lens, dtype=torch.int32).to(dev),
-            torch.tensor(host.query_start_loc, dtype=torch.int32).to(dev),
-        )

@@ -58,15 +58,25 @@ class ModelFacts:
     """Longest context the checkpoint claims."""
     kv_bytes_per_token: int
     """K and V bytes of one token over all layers, in the checkpoint dtype (fp32 when unsaid)."""
+    quantizable_params: int = 0
+    """Weights of the decoder layers' linears (attention, dense MLPs, shared experts): what
+    `quantization` stores in int8/int4. Embeddings, the LM head, norms, biases, routers and
+    routed experts stay in the plan dtype."""
 
     def kv_bytes(self, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
         """K and V bytes of one token on one device, in `dtype`, with KV heads split over ranks."""
         kv_heads = -(-self.num_kv_heads // tensor_parallel)  # ranks beyond the KV heads hold a copy
         return 2 * self.num_layers * kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def weight_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of all weights in `dtype`."""
-        return self.num_params * torch.empty((), dtype=dtype).element_size()
+    def weight_bytes(self, dtype: torch.dtype, quantization: str = "none", group_size: int = 128) -> int:
+        """Bytes of all weights in `dtype`, the quantizable ones in int8 (plus a `dtype` scale per
+        output channel, taken as one per `hidden_size` weights) or int4 (plus a scale and a zero per
+        `group_size` weights)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if quantization == "none":
+            return self.num_params * itemsize
+        per_weight = 1 + itemsize / self.hidden_size if quantization == "int8" else 0.5 + 2 * itemsize / group_size
+        return int((self.num_params - self.quantizable_params) * itemsize + self.quantizable_params * per_weight)
 
 
 def model_facts(model_name_or_path: str) -> ModelFacts:
@@ -80,7 +90,7 @@ def model_facts(model_name_or_path: str) -> ModelFacts:
 
 def facts_from_config(config: ModelConfig) -> ModelFacts:
     """Facts about the model that `config` describes."""
-    total, active = estimate_params(config)
+    total, active, quantizable = estimate_params(config)
     itemsize = torch.empty((), dtype=config.dtype or torch.float32).element_size()
     raw = config.raw
     return ModelFacts(
@@ -98,11 +108,13 @@ def facts_from_config(config: ModelConfig) -> ModelFacts:
         dtype=config.dtype,
         max_position_embeddings=config.max_position_embeddings,
         kv_bytes_per_token=2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize,
+        quantizable_params=quantizable,
     )
 
 
-def estimate_params(config: ModelConfig) -> tuple[int, int]:
-    """(total parameters, parameters used per token) of the model `config` describes."""
+def estimate_params(config: ModelConfig) -> tuple[int, int, int]:
+    """(total parameters, parameters used per token, weights `quantization` may store in int8/int4) of
+    the model `config` describes."""
     raw, h, v = config.raw, config.hidden_size, config.vocab_size
     mt = config.model_type
     norm = 2 * h if mt in _PLAIN_MLP else h  # LayerNorm has a bias, RMSNorm does not
@@ -117,15 +129,17 @@ def estimate_params(config: ModelConfig) -> tuple[int, int]:
             extra += 2 * embed_width * h  # project_in / project_out
     head = 0 if config.tie_word_embeddings else v * embed_width + (v if mt == "phi" else 0)
     final_norm = norm if not (mt == "opt" and raw.get("_remove_final_layer_norm")) else 0
-    total = active = 0
+    total = active = quantizable = 0
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     for layer in range(config.num_layers):
         attn = _attention_params(config) + _norms_per_layer(config) * norm
-        mlp_total, mlp_active = _mlp_params(config, layer)
+        mlp_total, mlp_active, mlp_linear = _mlp_params(config, layer)
         total += attn + mlp_total
         active += attn + mlp_active
+        quantizable += h * (q + 2 * kv) + q * h + mlp_linear
     total += embedding + extra + head + final_norm
     active += extra + final_norm + (head or v * embed_width)  # a tied head still runs per sampled token
-    return total, active
+    return total, active, quantizable
 
 
 def _attention_params(config: ModelConfig) -> int:
@@ -160,23 +174,25 @@ def _norms_per_layer(config: ModelConfig) -> int:
     return 4 if mt in _FOUR_NORMS else 2
 
 
-def _mlp_params(config: ModelConfig, layer: int) -> tuple[int, int]:
-    """(total, per-token) parameters of one layer's MLP: dense, or experts plus router."""
+def _mlp_params(config: ModelConfig, layer: int) -> tuple[int, int, int]:
+    """(total, per-token, linear weights outside the routed experts) parameters of one layer's MLP:
+    dense, or experts plus router."""
     raw, h, mt = config.raw, config.hidden_size, config.model_type
     if mt in _PLAIN_MLP:
         bias = config.intermediate_size + h if (mt != "falcon" or raw.get("bias")) and raw.get("enable_bias", True) else 0
         dense = 2 * h * config.intermediate_size + bias
-        return dense, dense
+        return dense, dense, dense - bias
     experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
     if not experts or not _is_moe_layer(raw, layer):
         dense = 3 * h * config.intermediate_size
-        return dense, dense
+        return dense, dense, dense
     width = raw.get("moe_intermediate_size") or config.intermediate_size
     top_k = int(raw.get("num_experts_per_tok") or 2)
     router = h * experts
     shared_width = raw.get("shared_expert_intermediate_size") or 0
     shared = 3 * h * shared_width + (h if shared_width else 0)  # shared expert and its sigmoid gate
-    return experts * 3 * h * width + router + shared, top_k * 3 * h * width + router + shared
+    shared_linear = 3 * h * shared_width
+    return experts * 3 * h * width + router + shared, top_k * 3 * h * width + router + shared, shared_linear
 
 
 def _is_moe_layer(raw: dict, layer: int) -> bool:

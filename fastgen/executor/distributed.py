@@ -4,12 +4,12 @@ Rank 0 is the engine: it alone schedules, samples and detokenizes. Every other r
 share of the weights and of the KV cache and runs the same step as rank 0, so the collectives in
 the model line up. Per step rank 0 sends only the flat integer inputs (`HostStepInputs`: token
 ids, positions, slots, block tables, ...) as two tensor broadcasts over a gloo group, a header
-and one payload; no sequence object is pickled. The worker spec (checkpoint, plan, KV blocks) is
+and one payload; no sequence object is pickled. The runner spec (checkpoint, plan, KV blocks) is
 pickled once, at start.
 
 Ranks come from one of two places:
 - `tensor_parallel=N` in a normal process: rank 0 starts N-1 worker processes
-  (`python -m fastgen.tp_worker`, fresh interpreters, so a user's script is never re-imported)
+  (`python -m fastgen.executor.tp_worker`, fresh interpreters, so a user's script is never re-imported)
   and meets them through a TCP store on a free port;
 - a `torchrun` launch (the environment has RANK/WORLD_SIZE): every process calls
   `fastgen.pipeline` or `scripts/serve.py`; rank 0 becomes the engine, the others serve it.
@@ -36,13 +36,14 @@ import torch
 import torch.distributed as dist
 
 from fastgen.models.parallel import TensorParallel
-from fastgen.step_inputs import HostStepInputs
+from fastgen.executor.runner import RunnerSpec
+from fastgen.executor.step_inputs import HostStepInputs
 
 logger = logging.getLogger("fastgen")
 
 CMD_STEP = 1
 CMD_SHUTDOWN = 2
-_HEADER_LEN = 6  # command, tokens, sequences, block-table width, logits rows, spare
+_HEADER_LEN = 5  # command, then the sizes `HostStepInputs.pack` writes
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("FASTGEN_TP_TIMEOUT", "600"))
 """Seconds a collective may wait for a rank that is alive but silent (a dead one fails at once).
@@ -51,38 +52,6 @@ Long enough for a slow rank to compile a bucket during warm-up."""
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed; the engine cannot step any more."""
-
-
-@dataclass(slots=True)
-class WorkerSpec:
-    """What a worker needs to build its share of the engine (sent once, pickled, by rank 0)."""
-
-    model_dir: str
-    """Local checkpoint directory."""
-    dtype: torch.dtype
-    """Weights and KV dtype."""
-    device_type: str
-    """"cpu" or "cuda"; on CUDA each rank uses its own device (see `rank_device`)."""
-    device_index: int
-    """CUDA device index of rank 0; rank r uses `device_index + r` (spawned workers)."""
-    num_blocks: int
-    """KV blocks per rank (each rank holds its KV heads of every block)."""
-    block_size: int
-    """Tokens per KV block."""
-    attention_backend: str
-    """"torch" or "triton"."""
-    buckets: tuple[int, ...]
-    """Static step sizes to compile/capture (empty: exact shapes)."""
-    max_seqs: int
-    """Sequences per step."""
-    max_model_len: int
-    """Longest sequence (sizes the block tables)."""
-    compile: str
-    """Compile mode of the step."""
-    cuda_graphs: bool
-    """Capture each bucket as a CUDA graph."""
-    num_threads: int
-    """CPU threads per rank (ranks share the cores of one machine)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -125,30 +94,6 @@ def metadata_group(device_type: str):
     return dist.new_group(backend="gloo") if device_type == "cuda" else dist.group.WORLD
 
 
-def pack_step(host: HostStepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's inputs as a header and one int64 payload."""
-    width = max(len(t) for t in host.block_tables)
-    tables = [b for t in host.block_tables for b in (t + [0] * (width - len(t)))]
-    payload = (host.input_ids + host.positions + host.slot_mapping + host.seq_lens + host.query_start_loc
-               + tables + host.logits_indices)
-    header = [CMD_STEP, host.num_tokens, host.num_seqs, width, len(host.logits_indices), 0]
-    return torch.tensor(header, dtype=torch.int64), torch.tensor(payload, dtype=torch.int64)
-
-
-def unpack_step(header: list[int], payload: torch.Tensor) -> HostStepInputs:
-    """Inverse of `pack_step`."""
-    _, num_tokens, num_seqs, width, num_logits, _ = header
-    values = payload.tolist()
-    sizes = [num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs * width, num_logits]
-    parts, start = [], 0
-    for size in sizes:
-        parts.append(values[start : start + size])
-        start += size
-    ids, positions, slots, seq_lens, qsl, flat_tables, logits_indices = parts
-    tables = [flat_tables[i * width : (i + 1) * width] for i in range(num_seqs)]
-    return HostStepInputs(ids, positions, slots, seq_lens, qsl, tables, logits_indices)
-
-
 class StepChannel:
     """Rank 0 broadcasts commands and step inputs; the other ranks receive them."""
 
@@ -158,7 +103,7 @@ class StepChannel:
 
     def send_step(self, host: HostStepInputs) -> None:
         """Rank 0: send one step."""
-        header, payload = pack_step(host)
+        header, payload = host.pack(CMD_STEP)
         dist.broadcast(header, self.src, group=self.group)
         dist.broadcast(payload, self.src, group=self.group)
 
@@ -176,12 +121,11 @@ class StepChannel:
             return None
         if values[0] != CMD_STEP:
             raise RuntimeError(f"unknown tensor-parallel command {values[0]} from rank 0")
-        _, num_tokens, num_seqs, width, num_logits, _ = values
-        payload = torch.empty(3 * num_tokens + 2 * num_seqs + 1 + num_seqs * width + num_logits, dtype=torch.int64)
+        payload = torch.empty(HostStepInputs.payload_size(values), dtype=torch.int64)
         dist.broadcast(payload, self.src, group=self.group)
-        return unpack_step(values, payload)
+        return HostStepInputs.unpack(values, payload)
 
-    def broadcast_spec(self, spec: WorkerSpec | None) -> WorkerSpec:
+    def broadcast_spec(self, spec: RunnerSpec | None) -> RunnerSpec:
         """Rank 0 sends the worker spec (pickled once); the others receive it."""
         box = [spec]
         dist.broadcast_object_list(box, self.src, group=self.group)
@@ -220,7 +164,7 @@ class TensorParallelGroup:
         env = torchrun_env()
         if env is not None:
             if env.rank != 0:
-                raise RuntimeError(f"torchrun rank {env.rank} must serve rank 0 (fastgen.tp_worker), not build an engine")
+                raise RuntimeError(f"torchrun rank {env.rank} must serve rank 0 (fastgen.executor.tp_worker), not build an engine")
             if env.world_size != size:
                 raise ValueError(f"torchrun started {env.world_size} processes but tensor_parallel is {size}: "
                                  "they must match (one rank per process)")
@@ -239,7 +183,7 @@ class TensorParallelGroup:
         self.channel = StepChannel(metadata_group(device_type))
 
     def _spawn(self, rank: int, port: int, backend: str, device_type: str, device_index: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "fastgen.tp_worker", "--rank", str(rank), "--world-size", str(self.size),
+        cmd = [sys.executable, "-m", "fastgen.executor.tp_worker", "--rank", str(rank), "--world-size", str(self.size),
                "--store-port", str(port), "--backend", backend, "--device-type", device_type,
                "--error-file", self.error_file(rank), "--parent-pid", str(os.getpid())]
         logger.info("fastgen: starting tensor-parallel worker rank %d", rank)
@@ -261,7 +205,7 @@ class TensorParallelGroup:
         """Where worker `rank` writes its error before exiting."""
         return os.path.join(self._error_dir, f"rank{rank}.err")
 
-    def send_spec(self, spec: WorkerSpec) -> None:
+    def send_spec(self, spec: RunnerSpec) -> None:
         """Tell every worker what to build."""
         self._guard(lambda: self.channel.broadcast_spec(spec))
 

@@ -1,6 +1,6 @@
 """A tensor-parallel rank other than 0: load this rank's shard, then run every step rank 0 sends.
 
-Started by rank 0 as `python -m fastgen.tp_worker --rank R ...` (see `distributed.py`), or entered
+Started by rank 0 as `python -m fastgen.executor.tp_worker --rank R ...` (see `distributed.py`), or entered
 from `fastgen.pipeline` / `scripts/serve.py` on ranks > 0 of a `torchrun` launch. The worker builds
 the same `ModelRunner` as rank 0 (same buckets, same warm-up order, so the collectives of
 compilation and capture line up) and never samples: its share of the logits goes to rank 0.
@@ -9,6 +9,7 @@ compilation and capture line up) and never samples: its share of the logits goes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import os
@@ -20,10 +21,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from fastgen.distributed import (COLLECTIVE_TIMEOUT_S, StepChannel, TorchrunEnv, backend_for, metadata_group,
+from fastgen.executor.distributed import (COLLECTIVE_TIMEOUT_S, StepChannel, TorchrunEnv, backend_for, metadata_group,
                                  rank_device, worker_up_key)
-from fastgen.model_runner import ModelRunner
-from fastgen.models.loader import load_model
+from fastgen.executor.runner import ModelRunner, load_for_spec
 from fastgen.models.parallel import TensorParallel
 
 logger = logging.getLogger("fastgen")
@@ -33,17 +33,14 @@ def serve_rank(rank: int, world_size: int, device_type: str, env: TorchrunEnv | 
     """Run rank `rank` (> 0) until rank 0 says stop. The default process group must already exist."""
     channel = StepChannel(metadata_group(device_type))
     spec = channel.broadcast_spec(None)
-    torch.set_num_threads(spec.num_threads)
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
     device = rank_device(spec.device_type, spec.device_index, rank, env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     parallel = TensorParallel(rank=rank, size=world_size, group=dist.group.WORLD)
-    loaded = load_model(spec.model_dir, dtype=spec.dtype, device=device, progress=False, parallel=parallel)
-    runner = ModelRunner(
-        loaded.model, loaded.config, spec.num_blocks, spec.block_size, device, spec.dtype,
-        attention_backend=spec.attention_backend, buckets=spec.buckets, max_seqs=spec.max_seqs,
-        max_model_len=spec.max_model_len, compile=spec.compile, cuda_graphs=spec.cuda_graphs, progress=False,
-    )
+    loaded = load_for_spec(spec, device, parallel)
+    runner = ModelRunner(loaded.model, loaded.config, dataclasses.replace(spec, progress=False), device)
     while (host := channel.receive()) is not None:
         runner.execute(host)
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fastgen.block_manager import BlockManager
-from fastgen.sequence import Sequence, SequenceStatus
+from fastgen.engine.block_manager import BlockManager
+from fastgen.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -146,6 +146,19 @@ class Scheduler:
         index = next((i for i, s in enumerate(self.waiting) if _order(s) > _order(seq)), len(self.waiting))
         self.waiting.insert(index, seq)
         batch.preempted.append(seq)
+
+    def postprocess(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """After the model ran `chunks`: advance each sequence's `num_computed_tokens`, start the
+        other choices of a request whose prompt is now computed, and return the sequences that
+        sample a token this step (those whose every token has KV), in chunk order."""
+        to_sample = []
+        for seq, num_new in chunks:
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens == seq.num_tokens:
+                to_sample.append(seq)
+                if seq.children and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    self.fork_children(seq)
+        return to_sample
 
     def fork_children(self, parent: Sequence) -> list[Sequence]:
         """Start `parent`'s n-1 sibling choices, sharing its prompt's full KV blocks.

@@ -19,28 +19,28 @@ from typing import Sequence as Seq
 import torch
 from transformers import AutoTokenizer
 
-from fastgen.block_manager import BlockManager
+from fastgen.engine.block_manager import BlockManager
 from fastgen.config import EngineConfig
-from fastgen.detokenizer import TextStream
-from fastgen.distributed import TensorParallelGroup, WorkerSpec, torchrun_env
-from fastgen.hardware import detect_hardware
-from fastgen.model_facts import model_facts
-from fastgen.model_runner import ModelRunner, kv_bytes_per_block
+from fastgen.engine.detokenizer import TextStream
+from fastgen.executor.distributed import TensorParallelGroup, torchrun_env
+from fastgen.planning.hardware import detect_hardware
+from fastgen.planning.model_facts import model_facts
+from fastgen.executor.runner import ModelRunner, RunnerSpec, kv_bytes_per_block, load_for_spec
 from fastgen.models.config import ModelConfig
-from fastgen.models.loader import load_model, resolve_model_dir
+from fastgen.models.loader import resolve_model_dir
 from fastgen.models.registry import check_tensor_parallel_support
 from fastgen.outputs import Response
-from fastgen.plan import Plan
-from fastgen.policy import make_plan
-from fastgen.sampler import Sampler, SamplingMetadata, make_generator
+from fastgen.planning.plan import Plan
+from fastgen.planning.policy import make_plan
+from fastgen.engine.sampler import Sampler, SamplingMetadata, make_generator
 from fastgen.sampling_params import SamplingParams
-from fastgen.scheduler import Scheduler
-from fastgen.sequence import Sequence, SequenceStatus
-from fastgen.step_inputs import build_host_inputs, prompt_logit_positions
+from fastgen.engine.scheduler import Scheduler
+from fastgen.engine.sequence import Sequence, SequenceStatus
+from fastgen.engine.step_builder import build_host_inputs, prompt_logit_positions
 
 logger = logging.getLogger("fastgen")
 
-DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model")
 """The small Llama-architecture model shipped inside the package (used when no model is named)."""
 
 
@@ -78,6 +78,8 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_path = config.model or DEMO_MODEL_DIR
+        if config.model is None:
+            logger.info("fastgen: no model named, using the bundled demo model %s", DEMO_MODEL_DIR)
         overrides = config.plan_overrides()
         if overrides["compile"] is None and os.environ.get("FASTGEN_COMPILE"):
             overrides["compile"] = os.environ["FASTGEN_COMPILE"]
@@ -123,33 +125,29 @@ class Engine:
         static = plan.compile != "off" or plan.cuda_graphs or config.buckets is not None
         buckets = plan.buckets if static else ()
         parallel = self.model_config.parallel
-        if self.tp_group is not None:
+        threads = 0
+        if self.tp_group is not None and self.device.type == "cpu":
             # Ranks share this machine's cores: split them so the ranks do not fight over threads.
-            threads = max(1, torch.get_num_threads() // plan.tensor_parallel) if self.device.type == "cpu" else 1
-            if self.device.type == "cpu":
-                logger.info("fastgen: %d CPU threads per tensor-parallel rank", threads)
-                torch.set_num_threads(threads)
-            # Workers load their shards while this rank loads its own.
-            self.tp_group.send_spec(WorkerSpec(
-                model_dir=self.model_dir, dtype=self.dtype, device_type=self.device.type,
-                device_index=self.device.index or 0, num_blocks=num_blocks, block_size=self.block_size,
-                attention_backend=plan.attention_backend, buckets=tuple(buckets), max_seqs=plan.max_seqs,
-                max_model_len=self.max_model_len, compile=plan.compile, cuda_graphs=plan.cuda_graphs,
-                num_threads=threads))
-        loaded = load_model(self.model_dir, dtype=plan.dtype, device=self.device, progress=config.progress,
-                            parallel=parallel)
+            threads = max(1, torch.get_num_threads() // plan.tensor_parallel)
+            logger.info("fastgen: %d CPU threads per tensor-parallel rank", threads)
+            torch.set_num_threads(threads)
+        spec = RunnerSpec(
+            model_dir=self.model_dir, dtype=self.dtype, device_type=self.device.type,
+            device_index=self.device.index or 0, num_blocks=num_blocks, block_size=self.block_size,
+            max_model_len=self.max_model_len, max_seqs=plan.max_seqs, quantization=plan.quantization,
+            quantization_group_size=plan.quantization_group_size, attention_backend=plan.attention_backend,
+            buckets=tuple(buckets), compile=plan.compile, cuda_graphs=plan.cuda_graphs, num_threads=threads,
+            progress=config.progress)
+        if self.tp_group is not None:
+            self.tp_group.send_spec(spec)  # workers load their shards while this rank loads its own
+        loaded = load_for_spec(spec, self.device, parallel, config.progress)
         self.model_config = loaded.config
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.tokenizer = AutoTokenizer.from_pretrained(loaded.model_dir)
         if self.tokenizer.eos_token_id is not None and not self.eos_token_ids:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         self.vocab_size = self.model_config.vocab_size
-        self.runner = ModelRunner(
-            loaded.model, self.model_config, num_blocks, self.block_size, self.device, self.dtype,
-            attention_backend=plan.attention_backend, buckets=buckets,
-            max_seqs=plan.max_seqs, max_model_len=self.max_model_len, compile=plan.compile,
-            cuda_graphs=plan.cuda_graphs, progress=config.progress,
-        )
+        self.runner = ModelRunner(loaded.model, self.model_config, spec, self.device)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, plan.token_budget, plan.max_seqs)
         self.sampler = Sampler()
@@ -304,13 +302,7 @@ class Engine:
         started = time.perf_counter()
         chunks, logits = self._forward(batch.chunks)
         logits = self._take_prompt_logprobs(chunks, logits)
-        to_sample = []
-        for seq, num_new in chunks:
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens == seq.num_tokens:
-                to_sample.append(seq)
-                if seq.children and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                    self._isolated(seq, "starting its n choices", self.scheduler.fork_children, seq)
+        to_sample = self.scheduler.postprocess(chunks)
         live = [row for row, seq in enumerate(to_sample) if not seq.is_finished]
         if not live:
             self._count_step(started)  # on a GPU without the sync, the next step's time absorbs this one's

@@ -1,0 +1,37 @@
+"""Flattens a scheduled batch into the executor's `HostStepInputs` (the engine's side of the step
+contract: which tokens, at which positions, into which KV slots, and whose logits are needed)."""
+
+from __future__ import annotations
+
+from fastgen.engine.block_manager import BlockManager
+from fastgen.engine.sequence import Sequence
+from fastgen.executor.step_inputs import HostStepInputs
+
+
+def prompt_logit_positions(seq: Sequence, num_new: int) -> range:
+    """Positions of a chunk (before it runs) whose logits score the next prompt token: only for the
+    sequence that collects the request's prompt logprobs."""
+    if seq.prompt_logprobs is None:
+        return range(0)
+    start = seq.num_computed_tokens
+    return range(start, min(start + num_new, seq.num_prompt_tokens - 1))
+
+
+def build_host_inputs(chunks: list[tuple[Sequence, int]], block_manager: BlockManager) -> HostStepInputs:
+    """Flatten `(seq, num_new_tokens)` chunks into `HostStepInputs`."""
+    bs = block_manager.block_size
+    out = HostStepInputs.empty()
+    for seq, num_new in chunks:
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        first_row = out.query_start_loc[-1]
+        out.logits_indices.extend(first_row + p - start for p in prompt_logit_positions(seq, num_new))
+        table = block_manager.block_table(seq.seq_id)
+        out.input_ids.extend(seq.token_ids[start:end])
+        out.positions.extend(range(start, end))
+        out.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        out.seq_lens.append(end)
+        out.query_start_loc.append(out.query_start_loc[-1] + num_new)
+        out.block_tables.append(table)
+        if end == seq.num_tokens:
+            out.logits_indices.append(out.query_start_loc[-1] - 1)
+    return out

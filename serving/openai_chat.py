@@ -1,0 +1,137 @@
+"""Chat conversations: validating `messages` and the chat-template options, rendering them to token ids.
+
+`chat_prompt` checks a chat body's `messages`, `add_generation_prompt`, `continue_final_message`,
+`chat_template_kwargs` and `add_special_tokens` (a 400 naming the field); `render_chat` renders
+the result with the checkpoint's chat template on a worker thread (jinja and the tokenizer block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastgen.serving.http_guard import ApiError
+
+# Arguments of `apply_chat_template` that this module sets itself (or that would change what it
+# returns): a request's chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
+    "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+    "tokenizer_kwargs", "tools", "documents"})
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A validated conversation, rendered with the chat template (on a worker) just before submission."""
+
+    conversation: list[dict[str, str]]
+    """`{role, content[, name]}` per message, content parts joined into text."""
+    add_generation_prompt: bool = True
+    """End the rendering with the template's assistant header (a new reply starts)."""
+    continue_final_message: bool = False
+    """Leave the final message open, so the model continues it (vLLM's `continue_final_message`)."""
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra variables for the template (`chat_template_kwargs`, e.g. `enable_thinking`)."""
+    add_special_tokens: bool = False
+    """Let the tokenizer add its special tokens (BOS) to the rendering, which usually holds them already."""
+
+    @property
+    def response_role(self) -> str:
+        """The role of the reply: "assistant", or with no generation prompt the final message's role (vLLM's rule)."""
+        return "assistant" if self.add_generation_prompt else self.conversation[-1]["role"]
+
+    def echo_text(self) -> str:
+        """What `echo` prefixes to the reply: the final message's content when its role is the reply's."""
+        last = self.conversation[-1]
+        return last["content"] if last["role"] == self.response_role else ""
+
+
+def _message_text(i: int, content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}",
+                               param="messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+
+
+def chat_conversation(messages: Any) -> list[dict[str, str]]:
+    """Validate `messages` into the conversation the chat template renders."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    conversation = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ApiError(400, f"messages[{i}] must be an object with role and content", param="messages")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ApiError(400, f"messages[{i}].role must be a non-empty string", param="messages")
+        entry = {"role": role, "content": _message_text(i, message.get("content"))}
+        if isinstance(message.get("name"), str):
+            entry["name"] = message["name"]
+        conversation.append(entry)
+    return conversation
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be a boolean, got {type(value).__name__}", param=name)
+    return value
+
+
+def chat_prompt(body: Mapping[str, Any]) -> ChatPrompt:
+    """The conversation and template options of a chat body (`/v1/chat/completions`, `/tokenize`)."""
+    if body.get("messages") is None:
+        raise ApiError(400, "messages is required", param="messages")
+    conversation = chat_conversation(body["messages"])
+    add_generation_prompt = _flag(body, "add_generation_prompt", True)
+    continue_final = _flag(body, "continue_final_message", False)
+    if continue_final and add_generation_prompt:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true: set "
+                            "add_generation_prompt to false to continue the final message", param="continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object of template variables", param="chat_template_kwargs")
+    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {reserved[0]!r} (a top-level field or set by the "
+                            "server)", param="chat_template_kwargs")
+    return ChatPrompt(conversation, add_generation_prompt, continue_final, dict(kwargs),
+                      _flag(body, "add_special_tokens", False))
+
+
+def render_chat_text(tokenizer: Any, chat: ChatPrompt) -> str:
+    """The conversation rendered with the checkpoint's chat template (blocking: run it on a worker)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
+    try:
+        return tokenizer.apply_chat_template(chat.conversation, add_generation_prompt=chat.add_generation_prompt,
+                                             continue_final_message=chat.continue_final_message, tokenize=False,
+                                             **chat.template_kwargs)
+    except Exception as exc:  # jinja2 and transformers raise their own errors (roles that must alternate...)
+        raise ApiError(400, f"messages could not be rendered with the chat template: {exc}", param="messages") from None
+
+
+def render_chat(tokenizer: Any, chat: ChatPrompt, max_chars: int | None) -> list[int]:
+    """The conversation's prompt token ids, rendered with the checkpoint's chat template.
+
+    Blocking (jinja and the tokenizer): run it on a worker. A rendering longer than `max_chars`
+    cannot fit the context in tokens, so it is refused without being tokenized.
+    """
+    text = render_chat_text(tokenizer, chat)
+    if max_chars is not None and len(text) > max_chars:
+        raise ApiError(400, f"messages render to {len(text)} characters: more than this model's context can hold "
+                            f"in tokens (at most {max_chars} characters)", param="messages")
+    # The template already holds any BOS it wants: by default encoding must not add another.
+    return tokenizer.encode(text, add_special_tokens=chat.add_special_tokens)
