@@ -170,6 +170,10 @@ class SparseMoeBlock(nn.Module):
     `experts.down_proj`, and for Qwen2-MoE `shared_expert.*` and `shared_expert_gate.weight`.
     """
 
+    unquantized_children = ("gate", "shared_expert_gate")
+    """Kept in the plan dtype under `quantization`: the router's top-k choice (and the shared expert's
+    gate) decide which weights a token meets at all, and they are a sliver of the layer's bytes."""
+
     def __init__(self, hidden_size: int, moe: MoeConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.tp = tp

@@ -6,7 +6,9 @@ What differs is at the edges, and this file handles only that:
 - the checkpoint stores q/k/v fused as `qkv_proj` and gate/up fused as `gate_up_proj`, in the
   same row order as our merged projections, so they load whole under their own names;
 - LongRoPE ("su", or "yarn" in early checkpoints, both meaning LongRoPE to HF's Phi-3) takes
-  `original_max_position_embeddings` from the top level of the config, not the rope dict;
+  `original_max_position_embeddings` from the top level of the config, not the rope dict, and a
+  sequence that outgrows it is recomputed with the long factors, as HF's generate does (the
+  engine's `LongRopeSwitch`);
 - `sliding_window` (when set) and `partial_rotary_factor` are read by `ModelConfig` as usual.
 """
 
@@ -46,6 +48,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     packed_modules_mapping: dict[str, tuple[str, int]] = {}
     """Empty: the checkpoint's `qkv_proj` and `gate_up_proj` already match our merged modules."""
+
+    long_rope_whole_sequence = True
+    """HF's Phi-3 generation recomputes a sequence's cache with the long factors when it outgrows
+    `original_max_position_embeddings` (`prepare_inputs_for_generation`); see `LongRopeSwitch`."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(phi3_model_config(config))

@@ -5,10 +5,19 @@ into a `RotaryEmbedding` that holds a precomputed fp32 cos/sin cache, one row pe
 query and key heads in the NeoX "rotate_half" layout that HF Llama uses. The frequencies are computed
 with the same fp32 operations as `transformers.modeling_rope_utils`, so the cache matches HF's cos/sin.
 Forward only gathers rows by position, so its shapes are static and it compiles with fullgraph=True.
+
+LongRoPE (Phi-3) has two factor sets, and Hugging Face picks one per forward pass: the long factors
+for every token once the sequence is longer than `original_max_position_embeddings`. Which tokens
+those are depends on the sequence, not the position, so the step says it per token (`long_rope`, from
+`LongRopeSwitch`); the cache holds the long-factor rows of the positions below `original_max` after
+the per-position rows.
 """
+
+from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -111,8 +120,9 @@ def _angles(
     dim: int,
     max_position: int,
     max_cache_len: int | None,
-) -> tuple[torch.Tensor, float]:
-    """Rotation angles `[cache_len, dim // 2]` (fp32) and the attention factor for one rope type."""
+) -> tuple[torch.Tensor, float, torch.Tensor | None]:
+    """Rotation angles `[cache_len, dim // 2]` (fp32), the attention factor, and for LongRoPE the
+    long-factor angles of the positions below `original_max` (None for the other types)."""
     factor = 1.0
     original_max = _number(params, "original_max_position_embeddings", rope_type, max_position)
     attention_factor = 1.0
@@ -154,16 +164,17 @@ def _angles(
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
         rows = 1.0 / (long_base[:, None] ** exponents[None, :])
         inv_freq = torch.cat((_inv_freq(base, dim).expand(min(cache_len, max_position), -1), rows))
-    elif rope_type == "longrope":
-        # HF picks long_factor for the whole sequence once it is longer than original_max, short_factor
-        # otherwise. We only know per-token positions, so positions < original_max use short_factor and
-        # the rest long_factor: equal to HF for sequences within original_max, and for the positions
-        # >= original_max of a longer one (its earlier tokens differ from HF's).
+    long_prefix = None
+    if rope_type == "longrope":
+        # By position: short factors below original_max, long ones from it on (a position there is
+        # always in a long sequence). The long rows below original_max are kept apart, for the tokens
+        # of sequences that are longer than original_max (the step's `long_rope`).
         shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
         short = 1.0 / (_longrope_ext_factors(params, "short_factor", dim) * base**shape)
         long = 1.0 / (_longrope_ext_factors(params, "long_factor", dim) * base**shape)
         inv_freq = torch.where((positions < original_max)[:, None], short, long)
-    return positions.float()[:, None] * inv_freq, float(attention_factor)
+        long_prefix = torch.arange(int(original_max), dtype=torch.int64, device="cpu").float()[:, None] * long
+    return positions.float()[:, None] * inv_freq, float(attention_factor), long_prefix
 
 
 class RotaryEmbedding(nn.Module):
@@ -173,9 +184,10 @@ class RotaryEmbedding(nn.Module):
     `rotary_dim` dims of each head are rotated (partial rotary, as in Phi); the rest pass through.
     """
 
-    def __init__(self, head_dim: int, cos_sin_cache: torch.Tensor) -> None:
+    def __init__(self, head_dim: int, cos_sin_cache: torch.Tensor, long_prefix: torch.Tensor | None = None) -> None:
         """`cos_sin_cache`: `[max_positions, rotary_dim]`, cos in the first half and sin in the second,
-        already multiplied by the scaling's attention factor."""
+        already multiplied by the scaling's attention factor. `long_prefix` (LongRoPE only): the rows
+        of positions `0 .. original_max - 1` with the long factors, laid out the same way."""
         super().__init__()
         if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] % 2 or not cos_sin_cache.is_floating_point():
             raise ValueError(f"cos_sin_cache must be a float [positions, even rotary_dim], got {cos_sin_cache.shape}")
@@ -183,6 +195,15 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary_dim {cos_sin_cache.shape[1]} must be in (0, head_dim={head_dim}]")
         self.head_dim = head_dim
         self.rotary_dim = cos_sin_cache.shape[1]
+        self._max_positions = cos_sin_cache.shape[0]
+        self.original_max: int | None = None
+        """LongRoPE's `original_max_position_embeddings` (None: one factor set, `long_rope` is ignored)."""
+        if long_prefix is not None:
+            if long_prefix.shape[1:] != cos_sin_cache.shape[1:]:
+                raise ValueError(f"long_prefix must be [positions, {self.rotary_dim}], got {tuple(long_prefix.shape)}")
+            self.original_max = long_prefix.shape[0]
+            # One buffer, so a long token's row is an offset into the same gather: [per position; long prefix].
+            cos_sin_cache = torch.cat((cos_sin_cache, long_prefix.to(cos_sin_cache)))
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "RotaryEmbedding":
@@ -195,7 +216,7 @@ class RotaryEmbedding(nn.Module):
     @property
     def max_positions(self) -> int:
         """Number of cached positions; positions at or beyond it are out of range."""
-        return self.cos_sin_cache.shape[0]
+        return self._max_positions
 
     def extra_repr(self) -> str:
         """Sizes shown by `print(model)`."""
@@ -210,11 +231,13 @@ class RotaryEmbedding(nn.Module):
         return out
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, long_rope: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate `query` `[T, num_q_heads, head_dim]` and `key` `[T, num_kv_heads, head_dim]` by the
         int64 `positions` `[T]`; math in fp32, results in the inputs' dtype. Positions must be below
-        `max_positions` (not checked on the device: that would need a host sync)."""
+        `max_positions` (not checked on the device: that would need a host sync). With LongRoPE,
+        `long_rope` (bool `[T]`) gives the tokens below `original_max` the long factors too; None
+        keeps the choice by position."""
         if positions.dim() != 1 or positions.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"positions must be a 1-D int64 tensor, got {positions.dtype} {tuple(positions.shape)}")
         for name, x in (("query", query), ("key", key)):
@@ -222,7 +245,10 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(
                     f"{name} must be [{positions.shape[0]}, heads, {self.head_dim}], got {tuple(x.shape)}"
                 )
-        cos, sin = self.cos_sin_cache.index_select(0, positions).float().unsqueeze(1).chunk(2, dim=-1)
+        rows = positions
+        if self.original_max is not None and long_rope is not None:
+            rows = torch.where(long_rope & (positions < self.original_max), positions + self._max_positions, positions)
+        cos, sin = self.cos_sin_cache.index_select(0, rows).float().unsqueeze(1).chunk(2, dim=-1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
 
@@ -264,6 +290,37 @@ def build_rotary_embedding(
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "dynamic" and rotary_dim == 2:
         raise ValueError("dynamic NTK scaling needs rotary_dim > 2 (its base exponent is dim / (dim - 2))")
-    angles, attention_factor = _angles(rope_type, params, float(base), rotary_dim, max_position, max_cache_len)
-    cache = torch.cat((angles.cos() * attention_factor, angles.sin() * attention_factor), dim=-1)
-    return RotaryEmbedding(head_dim, cache.to(device=device, dtype=dtype))
+    angles, attention_factor, long_prefix = _angles(rope_type, params, float(base), rotary_dim, max_position,
+                                                    max_cache_len)
+
+    def rows(a: torch.Tensor) -> torch.Tensor:
+        return torch.cat((a.cos() * attention_factor, a.sin() * attention_factor), dim=-1).to(device=device, dtype=dtype)
+
+    return RotaryEmbedding(head_dim, rows(angles), None if long_prefix is None else rows(long_prefix))
+
+
+@dataclass(frozen=True, slots=True)
+class LongRopeSwitch:
+    """Which tokens take LongRoPE's long factors, as Hugging Face decides it (per forward pass: all the
+    tokens of a forward whose sequence is longer than `original_max`)."""
+
+    original_max: int
+    """`original_max_position_embeddings`: sequences longer than this use the long factors."""
+    whole_sequence: bool
+    """Phi-3: HF's generate drops the KV cache when a sequence first outgrows `original_max` and
+    recomputes it with the long factors, so every token of a sequence longer than `original_max` has
+    them (the engine recomputes such a sequence's KV at the crossing). Otherwise (HF's generic
+    LongRoPE) cached tokens keep theirs: long iff the prompt was longer or the position is past it."""
+
+    def sequence_is_long(self, num_prompt_tokens: int, num_tokens: int) -> bool:
+        """Whether every token of a sequence (prompt + generated so far) takes the long factors."""
+        return (num_tokens if self.whole_sequence else num_prompt_tokens) > self.original_max
+
+
+def long_rope_switch(model: nn.Module) -> LongRopeSwitch | None:
+    """The model's `LongRopeSwitch`, None when its rotary embedding has one factor set. A model class
+    says `long_rope_whole_sequence = True` when its HF generation recomputes at the crossing."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding) and module.original_max is not None:
+            return LongRopeSwitch(module.original_max, bool(getattr(model, "long_rope_whole_sequence", False)))
+    return None

@@ -27,6 +27,9 @@ class AttentionMetadata:
     backend: str = "auto"
     """Attention implementation: "auto" (by device: Triton on CUDA, torch on CPU), "torch" or "triton".
     A plain string, so torch.compile specialises on it instead of guarding on tensors."""
+    long_rope: torch.Tensor | None = None
+    """bool `[T]`: the token's rotary embedding takes LongRoPE's long factors (attention itself ignores
+    it; it rides here because every layer already receives this step's metadata). None: by position."""
 
     @property
     def num_seqs(self) -> int:

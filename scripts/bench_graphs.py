@@ -37,6 +37,7 @@ def step_inputs(bucket: int, max_seqs: int, block_size: int) -> HostStepInputs:
             host.input_ids.append(5)
             host.positions.append(p)
             host.slot_mapping.append(table[p // block_size] * block_size + p % block_size)
+            host.long_rope.append(False)
         host.seq_lens.append(CONTEXT + n)
         host.query_start_loc.append(host.query_start_loc[-1] + n)
         host.block_tables.append(table)

@@ -251,6 +251,8 @@ def main() -> int:
             "rss_max_after_warmup_mb": round(max(settled) / 2**20, 1) if settled else None,
             "rss_growth_after_warmup_mb": round(growth / 2**20, 1),
             "rss_peak_mb": round(max(b for _, b in rss) / 2**20, 1) if rss else None,
+            # Every 10 s: whether memory climbs steadily (a leak) or levels off (caches, allocator arenas).
+            "rss_series_mb": [[round(t), round(b / 2**20, 1)] for t, b in rss[::20]],
         }
     finally:
         try:

@@ -73,7 +73,8 @@ def _rest_app(rest: Any, args: argparse.Namespace, backend: Backend, stop: threa
         metrics = ServingMetrics(backend.engine.stats)
     return rest.create_app(backend, deployment_name=args.deployment_name, tokenizer=backend.tokenizer,
                            model_name=args.model or os.path.basename(DEMO_MODEL_DIR), limits=limits,
-                           max_model_len=backend.model_info().max_length, metrics=metrics, on_terminate=stop.set)
+                           max_model_len=backend.model_info().max_length, metrics=metrics, on_terminate=stop.set,
+                           strict_params=args.strict_params, protect_metrics=args.protect_metrics)
 
 
 class _RestThread:

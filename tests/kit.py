@@ -78,10 +78,9 @@ TINY_CONFIGS: dict[str, tuple[type, dict]] = {
         transformers.PhiConfig,
         dict(partial_rotary_factor=0.5, qk_layernorm=True, intermediate_size=256),
     ),
-    # LongRoPE: HF's Phi-3 uses long_factor for a whole sequence once it outgrows
-    # original_max_position_embeddings (recomputing its cache at the crossing); we choose per position.
-    # They agree only while a sequence stays within it, so it is 128 > the longest test sequence
-    # (64 + 24 tokens): short_factor and the attention factor (from 512 / 128) are what is checked.
+    # LongRoPE with original_max_position_embeddings 128 > the longest parity sequence (64 + 24
+    # tokens): short_factor and the attention factor (from 512 / 128) are what the parity tests
+    # check; tests/test_longrope.py crosses the boundary.
     "phi3": (
         transformers.Phi3Config,
         dict(partial_rotary_factor=0.5, sliding_window=20, original_max_position_embeddings=128,

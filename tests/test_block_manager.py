@@ -242,6 +242,25 @@ def test_cached_blocks_reused_after_preemption():
     assert bm.block_table(0)[:3] == table[:3]
 
 
+def test_namespaces_never_share_blocks():
+    """The same tokens computed another way (LongRoPE's long factors) live in their own namespace."""
+    bm = BlockManager(16, BS)
+    tokens = list(range(13))
+    assert bm.match_prefix(0, tokens) == 0 and bm.allocate(0, tokens, 13)
+    assert bm.match_prefix(1, tokens, namespace=1) == 0  # namespace 0's blocks are invisible
+    assert bm.allocate(1, tokens, 13, namespace=1) and bm.namespace(1) == 1 and bm.namespace(0) == 0
+    assert set(bm.block_table(0)).isdisjoint(bm.block_table(1))
+    assert bm.match_prefix(2, tokens, namespace=1) == 12 and bm.block_table(2) == bm.block_table(1)[:3]
+    assert bm.match_prefix(3, tokens) == 12 and bm.block_table(3) == bm.block_table(0)[:3]
+    assert bm.fork(1, 4, 13) == 12 and bm.namespace(4) == 1
+    with pytest.raises(ValueError, match="namespace 1, not 0"):
+        bm.allocate(4, tokens, 13)
+    assert bm.namespace(9) is None
+    for seq_id in range(5):
+        bm.free(seq_id)
+    assert bm.num_free_blocks == 16
+
+
 def test_fork():
     bm = BlockManager(16, BS)
     tokens = list(range(10))

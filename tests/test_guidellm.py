@@ -27,17 +27,23 @@ ENGINE = dict(num_kv_blocks=64, block_size=8, token_budget=32, max_seqs=8, progr
 OUTPUT_TOKENS = 8
 
 
-def _guidellm(url: str, tokenizer: str, report: str, seconds: int, request_format: str | None = None) -> str:
-    """Run one synchronous benchmark; returns what guidellm printed."""
-    backend = f"kind=openai_http,target={url}" + (f",request_format={request_format}" if request_format else "")
+def _guidellm(served, tokenizer: str, report: str, seconds: int, request_format: str | None = None) -> str:
+    """Run one synchronous benchmark against `served`; returns what guidellm printed."""
+    backend = f"kind=openai_http,target={served.url}" + (f",request_format={request_format}" if request_format else "")
     cmd = [sys.executable, "-m", "guidellm", "run", "--backend", backend, "--profile", "kind=synchronous",
            "--constraint", f"kind=max_duration,seconds={seconds}",
            "--data", f"kind=synthetic_text,prompt_tokens=16,output_tokens={OUTPUT_TOKENS}",
            "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--output", f"kind=json,path={report}",
-           "--output", "kind=console", "--disable-console-interactive"]
+           "--disable-console-interactive"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "200"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired as exc:
+        printed = (exc.stdout or b"")[-3000:].decode(errors="replace") + (exc.stderr or b"")[-3000:].decode(
+            errors="replace")
+        raise AssertionError(f"guidellm did not finish; server: {served.engine.stats()}, "
+                             f"pending {served.app.state.gateway.pending}\n{printed}") from None
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -58,9 +64,9 @@ def _check_report(report: str) -> int:
 def test_guidellm_default_benchmark_runs_without_errors(tiny_checkpoints, tmp_path):
     checkpoint = tiny_checkpoints["llama"]
     with serve(checkpoint, MODEL, ENGINE) as served:
-        chat = _guidellm(served.url, checkpoint, str(tmp_path / "chat.json"), 5)
-        text = _guidellm(served.url, checkpoint, str(tmp_path / "text.json"), 3, "/v1/completions")
+        chat = _guidellm(served, checkpoint, str(tmp_path / "chat.json"), 5)
+        text = _guidellm(served, checkpoint, str(tmp_path / "text.json"), 3, "/v1/completions")
         served.wait_idle()
-    print("guidellm, default (chat completions):\n" + chat[chat.find("Request Latency Statistics") - 2:])
-    print("guidellm, /v1/completions:\n" + text[text.find("Request Latency Statistics") - 2:])
+    print("guidellm, default (chat completions):\n" + chat[chat.find("Run Summary Info") - 2:])
+    print("guidellm, /v1/completions:\n" + text[text.find("Run Summary Info") - 2:])
     assert _check_report(str(tmp_path / "chat.json")) and _check_report(str(tmp_path / "text.json"))

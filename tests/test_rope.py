@@ -81,11 +81,11 @@ def _check_cache(rope: RotaryEmbedding, positions, cos: torch.Tensor, sin: torch
         torch.testing.assert_close(ours, hf[:, half:], rtol=0, atol=atol)
 
 
-def _check_rotation(rope, hf_apply, positions, cos, sin, dtype=torch.float32) -> None:
+def _check_rotation(rope, hf_apply, positions, cos, sin, dtype=torch.float32, long_rope=None) -> None:
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(len(positions), 4, HEAD_DIM, generator=gen).to(dtype)
     k = torch.randn(len(positions), 2, HEAD_DIM, generator=gen).to(dtype)
-    q_ours, k_ours = rope(positions, q, k)
+    q_ours, k_ours = rope(positions, q, k, long_rope)
     # HF wants [batch, heads, tokens, head_dim]; it computes in the inputs' dtype, so feed it fp32.
     q_hf, k_hf = hf_apply(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], cos[None], sin[None])
     for ours, hf in ((q_ours, q_hf), (k_ours, k_hf)):
@@ -140,13 +140,32 @@ def test_longrope_uses_long_factors_from_original_max(name: str) -> None:
     family, scaling, partial = CASES[name]
     hf_rope, hf_apply = _hf_rope(family, scaling, partial)
     rope = _ours(scaling, partial)
-    # HF switches a whole sequence longer than ORIG to long factors; our positions >= ORIG match it.
+    # HF switches a whole sequence longer than ORIG to long factors; by position, ours do from ORIG on
+    # (the step's long_rope flag covers the positions below it).
     cos, sin = _hf_cos_sin(hf_rope, torch.arange(MAX_POS, dtype=torch.int64))
     positions = torch.tensor([ORIG, ORIG + 1, 150, MAX_POS - 1], dtype=torch.int64)
     _check_cache(rope, positions, cos[positions], sin[positions])
     _check_rotation(rope, hf_apply, positions, cos[positions], sin[positions])
     short_cos, _ = _hf_cos_sin(_hf_rope(family, scaling, partial)[0], torch.arange(ORIG, dtype=torch.int64))
     assert not torch.allclose(short_cos[1:], cos[1:ORIG])
+
+
+@pytest.mark.parametrize("name", ["partial_longrope", "longrope_explicit"])
+def test_long_rope_flag_gives_positions_below_original_max_the_long_factors(name: str) -> None:
+    family, scaling, partial = CASES[name]
+    hf_rope, hf_apply = _hf_rope(family, scaling, partial)
+    rope = _ours(scaling, partial)
+    positions = torch.tensor([0, 5, ORIG - 1, ORIG, 100, 3], dtype=torch.int64)
+    # HF over a sequence longer than ORIG: long factors at every position.
+    long_cos, long_sin = _hf_cos_sin(hf_rope, torch.arange(MAX_POS, dtype=torch.int64))
+    flags = torch.tensor([True, True, True, False, False, True])  # positions >= ORIG are long whatever the flag
+    _check_rotation(rope, hf_apply, positions, long_cos[positions], long_sin[positions], long_rope=flags)
+    # A sequence within ORIG: short factors (HF recomputes them for a short sequence).
+    short = positions[[0, 1, 2, 5]]
+    short_cos, short_sin = _hf_cos_sin(_hf_rope(family, scaling, partial)[0], short)
+    _check_rotation(rope, hf_apply, short, short_cos, short_sin, long_rope=torch.zeros(4, dtype=torch.bool))
+    assert rope.original_max == ORIG and rope.max_positions == rope.cos_sin_cache.shape[0] - ORIG
+    assert _ours(CASES["yarn"][1], 1.0).original_max is None
 
 
 def test_bf16_inputs_rotate_in_fp32_and_keep_dtype() -> None:

@@ -6,7 +6,9 @@ are registered in a prefix cache under a chained key, so a later sequence with t
 reuses them instead of recomputing their KV.
 
 Chained keys are ``(parent_node, tuple(block tokens))`` where ``parent_node`` is a unique, never
-reused integer given to the registered previous block (``-1`` for the first block). Because node
+reused integer given to the registered previous block (``-1 - namespace`` for the first block: KV
+computed differently for the same tokens, such as LongRoPE's long factors, lives in its own
+namespace and never matches the other). Because node
 ids are never reused, a node id stands for exactly one token prefix, so a key names its whole prefix
 exactly; the dict compares keys by value, so a hash collision can never produce a wrong hit, and
 keys stay small (no nested tuples re-hashed on every lookup).
@@ -21,8 +23,14 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-_ROOT = -1  # parent node of a sequence's first block
+_ROOT = -1  # parent node of a sequence's first block in namespace 0 (namespace n: -1 - n)
 _Key = tuple[int, tuple[int, ...]]
+
+
+def _root(namespace: int) -> int:
+    """Parent node of a first block in ``namespace``."""
+    _check_int("namespace", namespace, 0)
+    return _ROOT - namespace
 
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -62,6 +70,8 @@ class _SeqBlocks:
     """Cache node of each full block registered so far (the chain's parents); caching only."""
     num_tokens: int = 0
     """Token slots covered with KV (or about to be, after the current step)."""
+    root: int = _ROOT
+    """Parent node of the first block: the sequence's prefix-cache namespace."""
 
 
 class BlockManager:
@@ -102,8 +112,9 @@ class BlockManager:
         _check_int("num_tokens", num_tokens, 0)
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Start the block table of a new (or resumed) sequence with its longest cached prefix.
+    def match_prefix(self, seq_id: int, token_ids: Sequence[int], namespace: int = 0) -> int:
+        """Start the block table of a new (or resumed) sequence with its longest cached prefix in
+        ``namespace``.
 
         Takes a reference on every matched full block and returns how many tokens already have
         their KV: a multiple of ``block_size``, at most ``len(token_ids) - 1`` so that one token is
@@ -115,11 +126,11 @@ class BlockManager:
             raise ValueError(f"seq_id {seq_id} already has blocks; free() it before match_prefix")
         if len(token_ids) == 0:
             raise ValueError("token_ids must not be empty")
-        seq = self._seqs[seq_id] = _SeqBlocks()
+        seq = self._seqs[seq_id] = _SeqBlocks(root=_root(namespace))
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
-        parent = _ROOT
+        parent = seq.root
         for i in range((len(token_ids) - 1) // bs):
             block = self._cache.get((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
             if block is None:
@@ -142,27 +153,35 @@ class BlockManager:
         have = len(seq.blocks) if seq is not None else 0
         return self.blocks_needed(num_tokens) - have <= self.num_free_blocks
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int) -> bool:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int, namespace: int = 0) -> bool:
         """Grow the block table of ``seq_id`` to cover ``num_tokens`` slots.
 
         ``token_ids[:num_tokens]`` are the tokens whose KV exists after this step; every block they
-        fill is registered in the prefix cache. Returns False, changing nothing, when not enough
-        blocks can be had. A sequence unknown so far gets an empty table first; ``num_tokens``
-        below the current coverage is a no-op.
+        fill is registered in the prefix cache, in ``namespace`` (which must be the table's). Returns
+        False, changing nothing, when not enough blocks can be had. A sequence unknown so far gets
+        an empty table first; ``num_tokens`` below the current coverage is a no-op.
         """
         _check_int("seq_id", seq_id)
         _check_int("num_tokens", num_tokens, 0)
         if num_tokens > len(token_ids):
             raise ValueError(f"num_tokens {num_tokens} exceeds len(token_ids) {len(token_ids)}")
+        known = self._seqs.get(seq_id)
+        if known is not None and known.root != _root(namespace):
+            raise ValueError(f"seq_id {seq_id} has its blocks in namespace {self.namespace(seq_id)}, not {namespace}")
         if not self.can_allocate(seq_id, num_tokens):
             return False
-        seq = self._seqs.setdefault(seq_id, _SeqBlocks())
+        seq = self._seqs.setdefault(seq_id, _SeqBlocks(root=_root(namespace)))
         for _ in range(self.blocks_needed(num_tokens) - len(seq.blocks)):
             seq.blocks.append(self._take_block())
         seq.num_tokens = max(seq.num_tokens, num_tokens)
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, token_ids, num_tokens)
         return True
+
+    def namespace(self, seq_id: int) -> int | None:
+        """The prefix-cache namespace of ``seq_id``'s blocks (None: it has no block table)."""
+        seq = self._seqs.get(seq_id)
+        return None if seq is None else _ROOT - seq.root
 
     def block_table(self, seq_id: int) -> list[int]:
         """A copy of the block table of ``seq_id``."""
@@ -198,7 +217,7 @@ class BlockManager:
                 f"to parent_id {parent_id}"
             )
         shared = (num_tokens - 1) // self.block_size
-        child = _SeqBlocks(parent.blocks[:shared], parent.nodes[:shared], shared * self.block_size)
+        child = _SeqBlocks(parent.blocks[:shared], parent.nodes[:shared], shared * self.block_size, parent.root)
         for block in child.blocks:
             self._ref_counts[block] += 1  # already referenced by the parent, so never evictable
         self._seqs[child_id] = child
@@ -256,7 +275,7 @@ class BlockManager:
         self, seq: _SeqBlocks, token_ids: Sequence[int], num_tokens: int
     ) -> None:
         bs = self.block_size
-        parent = seq.nodes[-1] if seq.nodes else _ROOT
+        parent = seq.nodes[-1] if seq.nodes else seq.root
         for i in range(len(seq.nodes), num_tokens // bs):
             key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
             existing = self._cache.get(key)

@@ -8,6 +8,7 @@ request keeps going.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -28,6 +29,7 @@ from fastgen.planning.model_facts import model_facts
 from fastgen.executor.runner import ModelRunner, RunnerSpec, kv_bytes_per_block, load_for_spec
 from fastgen.models.config import ModelConfig
 from fastgen.models.loader import resolve_model_dir
+from fastgen.models.rope import long_rope_switch
 from fastgen.models.registry import check_tensor_parallel_support
 from fastgen.outputs import Response
 from fastgen.planning.plan import Plan
@@ -36,7 +38,7 @@ from fastgen.engine.sampler import Sampler, SamplingMetadata, make_generator
 from fastgen.sampling_params import SamplingParams
 from fastgen.engine.scheduler import Scheduler
 from fastgen.engine.sequence import Sequence, SequenceStatus
-from fastgen.engine.step_builder import build_host_inputs, prompt_logit_positions
+from fastgen.engine.step_builder import build_host_inputs, long_rope_namespace, prompt_logit_positions
 
 logger = logging.getLogger("fastgen")
 
@@ -149,7 +151,9 @@ class Engine:
         self.vocab_size = self.model_config.vocab_size
         self.runner = ModelRunner(loaded.model, self.model_config, spec, self.device)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, plan.token_budget, plan.max_seqs)
+        self.long_rope = long_rope_switch(loaded.model)
+        namespace = None if self.long_rope is None else functools.partial(long_rope_namespace, self.long_rope)
+        self.scheduler = Scheduler(self.block_manager, plan.token_budget, plan.max_seqs, namespace)
         self.sampler = Sampler()
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -328,7 +332,7 @@ class Engine:
         return failures
 
     def _execute(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
-        host = build_host_inputs(chunks, self.block_manager)
+        host = build_host_inputs(chunks, self.block_manager, self.long_rope)
         if self.tp_group is not None:
             return self.tp_group.run_step(host, self.runner.execute)
         return self.runner.execute(host)

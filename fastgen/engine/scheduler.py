@@ -12,11 +12,16 @@ When the KV cache is full, the newest running sequence is preempted: its blocks 
 it goes back to the waiting queue, ahead of every newer request, to be recomputed later (its generated tokens are
 kept, so its output does not change). New requests are never admitted by preempting others,
 so the oldest request always makes progress: nothing starves.
+
+A running sequence whose KV namespace (`kv_namespace`) changes is requeued the same way, its KV
+recomputed: Phi-3's LongRoPE computes every token with other factors once a sequence outgrows
+`original_max_position_embeddings`, as Hugging Face's generate does.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastgen.engine.block_manager import BlockManager
@@ -44,7 +49,10 @@ class ScheduledBatch:
 class Scheduler:
     """Decides, step by step, which tokens of which sequences are computed."""
 
-    def __init__(self, block_manager: BlockManager, token_budget: int, max_seqs: int) -> None:
+    def __init__(self, block_manager: BlockManager, token_budget: int, max_seqs: int,
+                 kv_namespace: Callable[[Sequence], int] | None = None) -> None:
+        """`kv_namespace(seq)`: the prefix-cache namespace a sequence's KV is computed in now (None:
+        always 0; see `BlockManager.match_prefix`)."""
         for name, value in (("token_budget", token_budget), ("max_seqs", max_seqs)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
@@ -57,6 +65,7 @@ class Scheduler:
         self.max_seqs = max_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.kv_namespace = kv_namespace
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence: by priority (lower first), then arrival order."""
@@ -80,6 +89,9 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.token_budget
         scheduled: set[int] = set()
+        if self.kv_namespace is not None:
+            for seq in [s for s in self.running if self.block_manager.namespace(s.seq_id) != self._namespace(s)]:
+                self._requeue(seq)
         # Decodes before chunks; among each, most urgent (priority, then oldest) first, so the least
         # urgent is the one preempted.
         running = sorted(self.running, key=lambda s: (s.num_pending_tokens > 1, _order(s)))
@@ -104,7 +116,7 @@ class Scheduler:
         Returns False if `seq` itself had to be preempted.
         """
         target = seq.num_computed_tokens + num_new
-        while not self.block_manager.allocate(seq.seq_id, seq.token_ids, target):
+        while not self.block_manager.allocate(seq.seq_id, seq.token_ids, target, self._namespace(seq)):
             victims = [s for s in self.running if s.seq_id not in scheduled and s.status is SequenceStatus.RUNNING]
             victim = max(victims, key=_order)
             self._preempt(victim, batch)
@@ -118,12 +130,13 @@ class Scheduler:
             seq = self.waiting[0]
             # Cached tokens have no logits: a request for prompt logprobs computes its whole prompt.
             if seq.num_computed_tokens == 0 and seq.prompt_logprobs is None:
-                cached = self.block_manager.match_prefix(seq.seq_id, seq.token_ids)
+                cached = self.block_manager.match_prefix(seq.seq_id, seq.token_ids, self._namespace(seq))
                 seq.num_computed_tokens = cached
                 if seq.num_preemptions == 0:
                     seq.num_cached_prompt_tokens = cached
             num_new = min(seq.num_pending_tokens, budget)
-            if not self.block_manager.allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new):
+            if not self.block_manager.allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new,
+                                               self._namespace(seq)):
                 # Keep the prefix hit for the next try would pin blocks while waiting: let go.
                 self.block_manager.free(seq.seq_id)
                 seq.num_computed_tokens = 0
@@ -134,8 +147,16 @@ class Scheduler:
             batch.chunks.append((seq, num_new))
             budget -= num_new
 
+    def _namespace(self, seq: Sequence) -> int:
+        return 0 if self.kv_namespace is None else self.kv_namespace(seq)
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free `seq`'s KV and put it back in the queue, in arrival order, to be recomputed."""
+        self._requeue(seq)
+        batch.preempted.append(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Free `seq`'s KV and put it back in the waiting queue, in arrival order."""
         self.block_manager.free(seq.seq_id)
         self.running.remove(seq)
         seq.num_computed_tokens = 0
@@ -145,7 +166,6 @@ class Scheduler:
         # when an older sequence preempted itself earlier in the same step.
         index = next((i for i, s in enumerate(self.waiting) if _order(s) > _order(seq)), len(self.waiting))
         self.waiting.insert(index, seq)
-        batch.preempted.append(seq)
 
     def postprocess(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
         """After the model ran `chunks`: advance each sequence's `num_computed_tokens`, start the

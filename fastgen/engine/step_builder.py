@@ -1,11 +1,23 @@
 """Flattens a scheduled batch into the executor's `HostStepInputs` (the engine's side of the step
-contract: which tokens, at which positions, into which KV slots, and whose logits are needed)."""
+contract: which tokens, at which positions, into which KV slots, with which LongRoPE factors, and
+whose logits are needed)."""
 
 from __future__ import annotations
 
 from fastgen.engine.block_manager import BlockManager
 from fastgen.engine.sequence import Sequence
 from fastgen.executor.step_inputs import HostStepInputs
+from fastgen.models.rope import LongRopeSwitch
+
+
+def long_rope_namespace(switch: LongRopeSwitch, seq: Sequence) -> int:
+    """The prefix-cache namespace of `seq`'s KV: 1 once its tokens take LongRoPE's long factors.
+
+    Blocks of the same tokens hold different K under the two factor sets, so they must never be
+    shared across; under Phi-3's rule a sequence whose namespace changes (it just outgrew
+    `original_max`) has its KV recomputed by the scheduler.
+    """
+    return int(switch.sequence_is_long(seq.num_prompt_tokens, seq.num_tokens))
 
 
 def prompt_logit_positions(seq: Sequence, num_new: int) -> range:
@@ -17,8 +29,10 @@ def prompt_logit_positions(seq: Sequence, num_new: int) -> range:
     return range(start, min(start + num_new, seq.num_prompt_tokens - 1))
 
 
-def build_host_inputs(chunks: list[tuple[Sequence, int]], block_manager: BlockManager) -> HostStepInputs:
-    """Flatten `(seq, num_new_tokens)` chunks into `HostStepInputs`."""
+def build_host_inputs(chunks: list[tuple[Sequence, int]], block_manager: BlockManager,
+                      long_rope: LongRopeSwitch | None = None) -> HostStepInputs:
+    """Flatten `(seq, num_new_tokens)` chunks into `HostStepInputs`; `long_rope` is the model's
+    LongRoPE switch (None: no token takes long factors beyond what its position implies)."""
     bs = block_manager.block_size
     out = HostStepInputs.empty()
     for seq, num_new in chunks:
@@ -29,6 +43,9 @@ def build_host_inputs(chunks: list[tuple[Sequence, int]], block_manager: BlockMa
         out.input_ids.extend(seq.token_ids[start:end])
         out.positions.extend(range(start, end))
         out.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        # Positions >= original_max take the long factors by position; the flag covers the ones below.
+        long = long_rope is not None and long_rope.sequence_is_long(seq.num_prompt_tokens, seq.num_tokens)
+        out.long_rope.extend([long] * num_new)
         out.seq_lens.append(end)
         out.query_start_loc.append(out.query_start_loc[-1] + num_new)
         out.block_tables.append(table)

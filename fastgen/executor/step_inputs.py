@@ -41,11 +41,15 @@ class StepTensors(NamedTuple):
     """[S] int32 tokens with KV after this step (padding: 0)."""
     query_start_loc: Tensor
     """[S + 1] int32 query offsets (padding rows repeat the last offset: empty queries)."""
+    long_rope: Tensor
+    """[T] bool: the token is rotated with LongRoPE's long factors (padding: False; ignored by
+    models without LongRoPE)."""
 
     def metadata(self, backend: str) -> AttentionMetadata:
         """The attention metadata of this step."""
         return AttentionMetadata(slot_mapping=self.slot_mapping, block_tables=self.block_tables,
-                                 seq_lens=self.seq_lens, query_start_loc=self.query_start_loc, backend=backend)
+                                 seq_lens=self.seq_lens, query_start_loc=self.query_start_loc, backend=backend,
+                                 long_rope=self.long_rope)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,7 @@ STEP_FIELDS: dict[str, FieldSpec] = {
     "block_tables": FieldSpec(torch.int32, "seqs", 0),
     "seq_lens": FieldSpec(torch.int32, "seqs", 0),
     "query_start_loc": FieldSpec(torch.int32, "seqs+1", 0),
+    "long_rope": FieldSpec(torch.bool, "tokens", 0),
 }
 """The step tensors, in `StepTensors` order."""
 assert tuple(STEP_FIELDS) == StepTensors._fields
@@ -92,6 +97,9 @@ class HostStepInputs:
     """Tokens with KV after this step, per sequence `[S]`."""
     query_start_loc: list[int]
     """Query offsets `[S + 1]`."""
+    long_rope: list[bool]
+    """Whether each token takes LongRoPE's long factors `[T]` (`LongRopeSwitch`: its sequence has
+    outgrown `original_max_position_embeddings`)."""
     logits_indices: list[int]
     """Token rows whose logits are computed, per chunk in order: the positions whose logits score
     the next prompt token (the rows of a request that asked for prompt logprobs), then its last
@@ -100,7 +108,7 @@ class HostStepInputs:
     @classmethod
     def empty(cls) -> HostStepInputs:
         """A step with no tokens yet (`query_start_loc` holds its leading 0)."""
-        return cls([], [], [], [], [], [0], [])
+        return cls([], [], [], [], [], [0], [], [])
 
     @property
     def num_tokens(self) -> int:
