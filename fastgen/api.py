@@ -378,8 +378,8 @@ def _state_manager_options(sub: dict[str, Any], at: str, out: _Options) -> None:
 
 def _refuse_quantization(where: str, value: Any) -> None:
     if value is not None:
-        raise ValueError(f"{where}={value!r}: fastgen has no quantized kernels (MII's 'wf6af16' is FP6 weights); "
-                         "it runs unquantized weights in dtype= (GGUF checkpoints are dequantized when loaded)")
+        raise ValueError(f"{where}={value!r}: fastgen has no FP6 kernels (MII's 'wf6af16' is FP6 weights); "
+                         "use quantization='int8' or 'int4' (weight-only) instead")
 
 
 def _device_map_options(device_map: Any, where: str, out: _Options, serving: bool) -> None:
