@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import Request
 
-from fastgen.engine import RequestFailed, RequestStream
+from fastgen.engine import RequestFailed, RequestStream, max_prompt_chars
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.http_guard import ApiError, Offload
@@ -166,15 +166,6 @@ def generation_error(exc: BaseException) -> ApiError:
     return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}")
 
 
-def max_token_chars(tokenizer: Any) -> int | None:
-    """The most characters one token of `tokenizer` spells (its longest vocabulary entry), or None
-    when the tokenizer cannot say. Computed once, at app creation."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if not callable(get_vocab):
-        return None
-    return max(1, max((len(piece) for piece in get_vocab()), default=1))
-
-
 class Gateway:
     """Admission, preparation, submission and accounting between the HTTP routes and the backend."""
 
@@ -186,10 +177,8 @@ class Gateway:
         self.limits = limits
         self.max_model_len = max_model_len
         self.offload = offload
-        token_chars = max_token_chars(tokenizer) if max_model_len is not None else None
-        # Twice the bound the vocabulary proves, as the engine allows: normalizers may compose
-        # characters (NFKC), so one token can stand for more input characters than it spells.
-        self.max_prompt_chars = 2 * token_chars * max_model_len if token_chars is not None else None
+        # The engine's own bound, so both refuse the same texts before tokenizing them.
+        self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len) if max_model_len is not None else None
         # Sequences (prompts x n) admitted and not finished; only the event loop touches it.
         self.pending = 0
 

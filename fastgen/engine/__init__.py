@@ -11,9 +11,9 @@ data types (`fastgen.config`, `fastgen.sampling_params`, `fastgen.outputs`); nev
 or `fastgen.serving`.
 """
 
-from fastgen.engine.engine import DEMO_MODEL_DIR, Engine, PreparedRequest, RequestFailed
+from fastgen.engine.engine import DEMO_MODEL_DIR, Engine, PreparedRequest, RequestFailed, max_prompt_chars
 from fastgen.engine.loop import EngineLoop, RequestStream
 from fastgen.executor.distributed import TensorParallelError
 
 __all__ = ["DEMO_MODEL_DIR", "Engine", "EngineLoop", "PreparedRequest", "RequestFailed", "RequestStream",
-           "TensorParallelError"]
+           "TensorParallelError", "max_prompt_chars"]

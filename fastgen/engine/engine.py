@@ -162,7 +162,7 @@ class Engine:
         self._request_ids = itertools.count()
         self.requests: dict[str, list[Sequence]] = {}
         self._failures: dict[str, RequestFailed] = {}
-        self._max_token_chars = _max_token_chars(self.tokenizer)
+        self._max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         self._num_steps = 0
         self._step_seconds = 0.0
 
@@ -184,11 +184,10 @@ class Engine:
         tokenized, so a huge body costs a `len()`, not seconds of tokenizer time.
         """
         if isinstance(prompt, str):
-            # Twice the bound, for normalizers that compose characters (NFKC: "e" + U+0301 -> one char).
-            if len(prompt) > 2 * self._max_token_chars * self.max_model_len:
+            if self._max_prompt_chars is not None and len(prompt) > self._max_prompt_chars:
                 raise ValueError(
                     f"prompt has {len(prompt)} characters: more than the {self.max_model_len}-token context can hold "
-                    f"(no token of this tokenizer spans more than {self._max_token_chars} characters)")
+                    f"(no text over {self._max_prompt_chars} characters fits it with this tokenizer)")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
@@ -582,12 +581,17 @@ class Engine:
             torch.cuda.empty_cache()
 
 
-def _max_token_chars(tokenizer) -> int:
-    """The most characters one token of `tokenizer` can stand for (at least 1), from its vocabulary.
+def max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
+    """The longest text prompt (in characters) that could fit `max_model_len` tokens, or None when
+    `tokenizer` cannot say; a longer text is refused without tokenizing it.
 
     A vocabulary entry spells its token in the tokenizer's own alphabet (byte-level BPE: one
     character per byte; SentencePiece: byte-fallback entries like `<0xE2>` are longer than the
-    byte they stand for), so its length bounds the characters of text the token covers.
+    byte they stand for), so its length bounds the characters of text the token covers. The bound
+    is doubled for normalizers that compose characters (NFKC: "e" + U+0301 -> one char).
     """
-    vocab = tokenizer.get_vocab()
-    return max(1, max((len(piece) for piece in vocab), default=1))
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if not callable(get_vocab):
+        return None
+    token_chars = max(1, max((len(piece) for piece in get_vocab()), default=1))
+    return 2 * token_chars * max_model_len
