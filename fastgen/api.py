@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import warnings
-from collections import deque
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from types import MappingProxyType
 from typing import Any, Sequence as Seq
 
@@ -14,36 +13,74 @@ import torch
 
 from fastgen.config import EngineConfig
 from fastgen.executor.distributed import torchrun_env
-from fastgen.engine import Engine, RequestFailed
+from fastgen.engine import END, Engine, RequestFailed, RequestGroup, Sink, full_text_prefix
 from fastgen.outputs import Response
-from fastgen.sampling_params import SamplingParams
+from fastgen.sampling_params import FieldTypeError, FieldValueError, SamplingParams
 
 Prompts = str | Seq[str] | Seq[Seq[int]]
 
 
-def normalise_prompts(prompts: Prompts) -> list[str | list[int]]:
-    """A str, a list of str, or a list of token-id lists -> a non-empty list of prompts.
+def _token_ids(items: Any) -> bool:
+    """Whether `items` is a list (or tuple) of ints (bools too: the engine refuses those)."""
+    if not isinstance(items, (list, tuple)):
+        return False
+    # sum() is an int only over ints: one C-speed pass instead of a Python-level test per id of a
+    # half-million-id prompt.
+    try:
+        return type(sum(items)) is int
+    except TypeError:
+        return False
 
-    Shared by the pipeline and the serving clients, so every entry point rejects the same inputs
-    with the same messages.
+
+def normalise_prompts(prompts: Any, field: str = "prompts", *, flat_ids: bool = False,
+                      describe: Callable[[Any], str] | None = None) -> list[str | list[int]]:
+    """A str, a list of str, or a list of token-id lists (with `flat_ids`, also one flat list of
+    token ids, OpenAI's form) -> a non-empty list of prompts.
+
+    The one check of every entry point (the pipeline, the clients, gRPC, REST), so all refuse the
+    same inputs: a `FieldTypeError` or `FieldValueError` naming `field`. `describe` words a bad
+    value in the message (default: its type's name; REST describes it as JSON).
     """
+    describe = describe or (lambda value: type(value).__name__)
+    kinds = "a str, a list of str" + (", a list of token ids" if flat_ids else "") + " or a list of token-id lists"
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}")
+        raise FieldTypeError(f"{field} must be {kinds}, got {describe(prompts)}", field)
     if not prompts:
-        raise ValueError("prompts is empty")
+        raise FieldValueError(f"{field} is empty", field)
+    if _token_ids(prompts):
+        if flat_ids:
+            return [list(prompts)]
+        raise FieldTypeError(f"{field}: a flat list of ints is ambiguous: pass token ids as a list of lists, "
+                             "e.g. [[1, 2, 3]]", field)
     out: list[str | list[int]] = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             out.append(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif _token_ids(prompt):
             out.append(list(prompt))
-        elif isinstance(prompt, int) and not isinstance(prompt, bool):
-            raise TypeError("a flat list of ints is ambiguous: pass token ids as a list of lists, e.g. [[1, 2, 3]]")
         else:
-            raise TypeError(f"prompts[{i}] must be a str or a list of int token ids, got {type(prompt).__name__}")
+            raise FieldTypeError(f"{field} must be {kinds}: {field}[{i}] must be a str or a list of int token ids, "
+                                 f"got {describe(prompt)}", field)
     return out
+
+
+class _PipelineRequest:
+    """One request of a pipeline stream's `RequestGroup`; `Pipeline._step` delivers its deltas to
+    its sink in `sinks` (the pipeline's open streams)."""
+
+    def __init__(self, engine: Engine, request_id: str, sinks: dict[str, Sink]) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._sinks = sinks
+
+    def abort(self) -> None:
+        """Stop the request now; its stream ends."""
+        self._engine.abort(self.request_id)
+        sink = self._sinks.pop(self.request_id, None)
+        if sink is not None:
+            sink(END)
 
 
 class Pipeline:
@@ -56,9 +93,10 @@ class Pipeline:
     def __init__(self, engine: Engine | None, rank: int = 0) -> None:
         self._engine: Engine | None = engine
         self.rank = rank
-        # Whoever steps the engine (a call, or any of several open streams) routes each open
-        # stream's deltas here, so interleaved streams and calls never lose each other's text.
-        self._inboxes: dict[str, deque[Response | RequestFailed]] = {}
+        # Whoever steps the engine (a call, or any of several open streams) delivers each open
+        # stream's deltas to its request group, so interleaved streams and calls never lose each
+        # other's text.
+        self._sinks: dict[str, Sink] = {}
         # Requests of pending calls that failed in the engine, kept for the call that owns them.
         self._failures: dict[str, RequestFailed] = {}
 
@@ -82,21 +120,12 @@ class Pipeline:
         """The model's Hugging Face tokenizer."""
         return self.engine.tokenizer
 
-    def _submit(self, prompts: Prompts, gen: dict[str, Any]):
+    def _validated(self, prompts: Prompts, gen: dict[str, Any]) -> tuple[SamplingParams, list[list[int]]]:
+        """The call's params and every prompt's token ids, all validated before anything is queued."""
         engine = self.engine
         gen, _ = split_mii_stream(gen)  # MII's flag: whether the call streams is the method's choice here
         params = SamplingParams.from_kwargs(**gen)
-        items = normalise_prompts(prompts)
-        encoded = [engine.encode_prompt(p) for p in items]  # validate all before queueing any
-        request_ids = []
-        try:
-            for ids in encoded:
-                request_ids.append(engine.add_request(ids, params))
-        except Exception:
-            for rid in request_ids:
-                engine.abort(rid)
-            raise
-        return request_ids, [engine.sequences(rid) for rid in request_ids]
+        return params, [engine.encode_prompt(p) for p in normalise_prompts(prompts)]
 
     def __call__(self, prompts: Prompts, **gen: Any) -> list[Response]:
         """Generate for every prompt; one Response per prompt (n per prompt with `n>1`), in input order.
@@ -106,9 +135,13 @@ class Pipeline:
         Raises `RequestFailed` if the engine failed one of this call's requests (after the others
         have finished: other calls and streams are never affected).
         """
-        request_ids, groups = self._submit(prompts, gen)
+        params, encoded = self._validated(prompts, gen)
         engine = self.engine
+        request_ids: list[str] = []
         try:
+            for ids in encoded:
+                request_ids.append(engine.add_request(ids, params))
+            groups = [engine.sequences(rid) for rid in request_ids]
             while any(rid in engine.requests for rid in request_ids):
                 self._step()
         except BaseException:
@@ -130,42 +163,40 @@ class Pipeline:
     def stream(self, prompts: Prompts, **gen: Any) -> Iterator[Response]:
         """Yield text deltas as they are produced, for one or many prompts (see `Response.prompt_index`).
 
-        Closing the generator early aborts the unfinished requests.
+        With `return_full_text` the first delta of each completion starts with the prompt, so the
+        deltas add up to the call's text. Closing the generator early aborts the unfinished requests.
         """
-        request_ids, _ = self._submit(prompts, gen)
-        index_of = {rid: i for i, rid in enumerate(request_ids)}
+        params, encoded = self._validated(prompts, gen)
         engine = self.engine
-        inbox: deque[Response] = deque()
-        self._inboxes.update(dict.fromkeys(request_ids, inbox))
-        try:
-            while inbox or any(rid in engine.requests for rid in request_ids):
-                if not inbox:
-                    self._step()
-                    continue
-                delta = inbox.popleft()
-                if isinstance(delta, RequestFailed):
-                    raise delta
-                delta.prompt_index = index_of[delta.request_id]
-                yield delta
-        finally:
-            for rid in request_ids:
-                self._inboxes.pop(rid, None)
-                engine.abort(rid)
+        prefixes = [full_text_prefix(engine.tokenizer, ids, params) for ids in encoded] \
+            if params.return_full_text else None
+        group = RequestGroup(params.n, drive=self._step, prefixes=prefixes)
+
+        def submit(ids: list[int], sink: Sink) -> _PipelineRequest:
+            request_id = engine.add_request(ids, params)
+            self._sinks[request_id] = sink
+            return _PipelineRequest(engine, request_id, self._sinks)
+
+        group.submit_each(encoded, submit, "prompts")
+        yield from group
 
     def _step(self) -> None:
-        """One engine step; deltas (and failures) of open streams go to their inboxes, failures of
+        """One engine step; deltas (and failures) of open streams go to their groups, failures of
         pending calls to `_failures`."""
         engine = self.engine
         for delta in engine.step():
-            inbox = self._inboxes.get(delta.request_id)
-            if inbox is not None:
-                inbox.append(delta)
+            sink = self._sinks.get(delta.request_id)
+            if sink is not None:
+                sink(delta)
         for rid, failure in engine.pop_failures().items():
-            inbox = self._inboxes.get(rid)
-            if inbox is not None:
-                inbox.append(failure)
+            sink = self._sinks.get(rid)
+            if sink is not None:
+                sink(failure)
             else:
                 self._failures[rid] = failure
+        # A stream's request that left the engine (finished, failed, aborted) has delivered everything.
+        for rid in [rid for rid in self._sinks if rid not in engine.requests]:
+            self._sinks.pop(rid)(END)
 
     def destroy(self) -> None:
         """Free the model and KV cache; later calls raise."""

@@ -24,28 +24,65 @@ MAX_SEED = 2**64 - 1
 """Largest seed `torch.Generator.manual_seed` accepts."""
 
 
+class FieldError(Exception):
+    """A request field with a bad value; `field` names it as data, so a server maps the error onto
+    its own field names (an HTTP 400's `param`, a gRPC trailer) without reading the message.
+
+    Raised as `FieldValueError` (a wrong value) or `FieldTypeError` (a wrong type), which callers
+    catch as the ValueError/TypeError they are.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> tuple:
+        # Pickled with its field (the default reduce passes only the message).
+        return type(self), (str(self), self.field)
+
+
+class FieldValueError(FieldError, ValueError):
+    """A field's value is out of its range (or contradicts another field's)."""
+
+
+class FieldTypeError(FieldError, TypeError):
+    """A field's value has the wrong type (or the field does not exist)."""
+
+
+def field_error(exc: BaseException, field: str | None, message: str | None = None) -> FieldError:
+    """`exc` (a ValueError or TypeError) as the FieldError of the same kind naming `field`, with
+    `message` (default: its own) and `exc` as its cause."""
+    kind = FieldTypeError if isinstance(exc, TypeError) else FieldValueError
+    out = kind(str(exc) if message is None else message, field)
+    out.__cause__ = exc
+    return out
+
+
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+        raise FieldTypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})", name)
     return value
 
 
-def _check_int(name: str, value: Any) -> int:
+def _check_int(name: str, value: Any, field: str | None = None) -> int:
     # bool is an int subclass, but `top_k=True` is a caller's mistake, not a 1.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+        raise FieldTypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})", field or name)
     if isinstance(value, numbers.Integral):
         return int(value)
     # JSON and gRPC clients often send whole numbers as floats (50.0): accept those only.
     if not math.isfinite(value) or value != int(value):
-        raise TypeError(f"{name} must be an int, got {value!r} (not a whole number)")
+        raise FieldTypeError(f"{name} must be an int, got {value!r} (not a whole number)", field or name)
     return int(value)
 
 
-def _check_float(name: str, value: Any) -> float:
+def _check_float(name: str, value: Any, field: str | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__} ({value!r})")
-    return float(value)
+        raise FieldTypeError(f"{name} must be a float, got {type(value).__name__} ({value!r})", field or name)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond any float
+        raise FieldValueError(f"{name} is out of range: {value!r:.40} has no float value", field or name) from None
 
 
 def _format_bound(bound: float) -> str:
@@ -53,19 +90,20 @@ def _format_bound(bound: float) -> str:
 
 
 def _check_range(name: str, value: float, low: float | None, high: float | None, *,
-                 low_open: bool = False) -> None:
+                 low_open: bool = False, field: str | None = None) -> None:
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and value > high
-    if too_low or too_high or not math.isfinite(value):
+    # An int is always finite (and math.isfinite overflows on one too large for a float).
+    if too_low or too_high or (isinstance(value, float) and not math.isfinite(value)):
         left = "(" if low_open else "["
         lo = "-inf" if low is None else _format_bound(low)
         hi = "inf)" if high is None else f"{_format_bound(high)}]"
-        raise ValueError(f"{name} must be in {left}{lo}, {hi}, got {value!r}")
+        raise FieldValueError(f"{name} must be in {left}{lo}, {hi}, got {value!r}", field or name)
 
 
 def _check_sequence(name: str, value: Any, what: str) -> tuple:
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise TypeError(f"{name} must be a list of {what}, got {type(value).__name__} ({value!r})")
+        raise FieldTypeError(f"{name} must be a list of {what}, got {type(value).__name__} ({value!r})", name)
     return tuple(value)
 
 
@@ -74,8 +112,9 @@ class SamplingParams:
     """How to generate for one request: stopping rules, sampling warpers, penalties, logprobs.
 
     Construct directly or with `SamplingParams.from_kwargs(**gen)`; every field is checked on
-    construction and a bad value raises `ValueError` (wrong range) or `TypeError` (wrong type)
-    naming the field. Assigning a field afterwards is not re-validated: use
+    construction and a bad value raises `FieldValueError` (wrong range) or `FieldTypeError` (wrong
+    type), a ValueError/TypeError naming the field in its message and in its `field` (None for a
+    contradiction between two fields). Assigning a field afterwards is not re-validated: use
     `dataclasses.replace`, which is.
     """
 
@@ -238,11 +277,12 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             items = _check_sequence("allowed_token_ids", self.allowed_token_ids, "int")
             if not items:
-                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+                raise FieldValueError("allowed_token_ids must not be empty (None allows every token)",
+                                      "allowed_token_ids")
             checked = []
             for i, item in enumerate(items):
-                token_id = _check_int(f"allowed_token_ids[{i}]", item)
-                _check_range(f"allowed_token_ids[{i}]", token_id, 0, None)
+                token_id = _check_int(f"allowed_token_ids[{i}]", item, "allowed_token_ids")
+                _check_range(f"allowed_token_ids[{i}]", token_id, 0, None, field="allowed_token_ids")
                 checked.append(token_id)
             self.allowed_token_ids = tuple(checked)
         self.bad_words = self._normalise_words("bad_words", self.bad_words)
@@ -265,9 +305,9 @@ class SamplingParams:
         items = (words,) if isinstance(words, str) else _check_sequence(name, words, "str")
         for i, item in enumerate(items):
             if not isinstance(item, str):
-                raise TypeError(f"{name}[{i}] must be a str, got {type(item).__name__} ({item!r})")
+                raise FieldTypeError(f"{name}[{i}] must be a str, got {type(item).__name__} ({item!r})", name)
             if not item:
-                raise ValueError(f"{name}[{i}] must be a non-empty string, got ''")
+                raise FieldValueError(f"{name}[{i}] must be a non-empty string, got ''", name)
         return items
 
     @staticmethod
@@ -275,15 +315,16 @@ class SamplingParams:
         if bias is None:
             return None
         if not isinstance(bias, dict):
-            raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+            raise FieldTypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}",
+                                 "logit_bias")
         out = {}
         for key, value in bias.items():
             if isinstance(key, str) and key.strip().isdigit():
                 key = int(key)
-            token_id = _check_int(f"logit_bias key {key!r}", key)
-            _check_range("logit_bias token id", token_id, 0, None)
-            value = _check_float(f"logit_bias[{token_id}]", value)
-            _check_range(f"logit_bias[{token_id}]", value, -100.0, 100.0)
+            token_id = _check_int(f"logit_bias key {key!r}", key, "logit_bias")
+            _check_range("logit_bias token id", token_id, 0, None, field="logit_bias")
+            value = _check_float(f"logit_bias[{token_id}]", value, "logit_bias")
+            _check_range(f"logit_bias[{token_id}]", value, -100.0, 100.0, field="logit_bias")
             out[token_id] = value
         return out or None
 
@@ -294,8 +335,8 @@ class SamplingParams:
         items = _check_sequence("stop_token_ids", ids, "int")
         checked = []
         for i, item in enumerate(items):
-            token_id = _check_int(f"stop_token_ids[{i}]", item)
-            _check_range(f"stop_token_ids[{i}]", token_id, 0, None)
+            token_id = _check_int(f"stop_token_ids[{i}]", item, "stop_token_ids")
+            _check_range(f"stop_token_ids[{i}]", token_id, 0, None, field="stop_token_ids")
             checked.append(token_id)
         return tuple(checked)
 
@@ -310,15 +351,16 @@ class SamplingParams:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> SamplingParams:
+    def from_kwargs(cls, /, **kwargs: Any) -> SamplingParams:
         """Build from keyword arguments as `pipe(prompts, **gen)` receives them.
 
-        Raises `TypeError` for a keyword that is not a generation parameter (MII silently
-        ignored typos such as `max_new_token`).
+        Raises `FieldTypeError` for a keyword that is not a generation parameter (MII silently
+        ignored typos such as `max_new_token`), naming it (its first 80 characters: a key may come
+        from a request body of any size).
         """
         names = cls.field_names()
         for key in kwargs:
             if key not in names:
-                raise TypeError(f"unknown generation parameter {key!r} "
-                                f"(supported: {', '.join(names)})")
+                shown = key[:80]
+                raise FieldTypeError(f"unknown generation parameter {shown!r} (supported: {', '.join(names)})", shown)
         return cls(**kwargs)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fastgen.models.parallel import SINGLE, TensorParallel
+from fastgen.models.parallel import SINGLE, TensorParallel, kv_heads_per_rank
 
 _DTYPES = {
     "float32": torch.float32,
@@ -141,6 +141,14 @@ class ModelConfig:
         """Read and normalise `path` (a config.json)."""
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel: int | None = None) -> int:
+        """K and V bytes of one token over all layers on one rank, in `dtype`: the one formula the
+        planner (sizing the cache) and the runner (allocating it) share. `tensor_parallel` None is
+        this process's own group (`parallel`); ranks beyond the KV heads each hold a copy."""
+        size = self.parallel.size if tensor_parallel is None else tensor_parallel
+        kv_heads = kv_heads_per_rank(self.num_kv_heads, size)
+        return 2 * self.num_layers * kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 # Family-specific names of generic keys (GPT-2, OPT, Falcon). The family's own key wins: it is the

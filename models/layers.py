@@ -83,3 +83,22 @@ class GatedMLP(nn.Module):
         """Apply the MLP to `x` `[T, hidden]`."""
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of decoder layers: the `nn.ModuleList` of `config.num_layers` modules nearest
+    the root (`model.layers`, `transformer.h`, ...), found by shape so no family declares it.
+
+    Nearest the root because a layer may itself hold lists (experts, per-head modules) whose length
+    happens to match. ValueError when there is none.
+    """
+    num_layers = model.config.num_layers
+    best: tuple[int, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            depth = name.count(".")
+            if best is None or depth < best[0]:
+                best = (depth, module)
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of its {num_layers} decoder layers")
+    return best[1]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from fastgen.models import gguf as gguf_format
 from fastgen.models.config import ModelConfig, load_generation_eos, parse_dtype
+from fastgen.models.layers import decoder_layers
 from fastgen.models.parallel import SINGLE, TensorParallel, read_whole
 from fastgen.models.quant import DEFAULT_GROUP_SIZE, QuantizedLinear, quantize_decoder_linears
 from fastgen.models.registry import check_tensor_parallel_support, get_model_class
@@ -120,7 +121,8 @@ def _safetensors_files(model_dir: str) -> list[str]:
 class _WeightSink:
     """Places checkpoint tensors into a meta-initialised model, tracking what arrived."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device,
+                 on_layer_loaded: Callable[[int, nn.Module], None] | None = None) -> None:
         self.model = model
         self.dtype = dtype
         self.device = device
@@ -131,6 +133,21 @@ class _WeightSink:
         self.stacked = {target for target, _ in self.experts.values()}
         # Per parameter: shard indices (-1 = whole) or, for stacked experts, (expert, shard) pairs.
         self.loaded: dict[str, set[int | tuple[int, int]]] = {}
+        # Decoder layers still waiting for tensors (index -> parameter names), watched only when
+        # `on_layer_loaded` wants each layer as soon as it is complete (weight offload moves it out
+        # then, so the whole model never sits in memory at once).
+        self.on_layer_loaded = on_layer_loaded
+        self.layer_of: dict[str, int] = {}
+        self.pending: dict[int, set[str]] = {}
+        self.settled: set[str] = set()
+        if on_layer_loaded is not None:
+            layers = decoder_layers(model)
+            prefix = next(name for name, module in model.named_modules() if module is layers) + "."
+            for param_name in self.params:
+                if param_name.startswith(prefix):
+                    index = int(param_name[len(prefix):].partition(".")[0])
+                    self.layer_of[param_name] = index
+                    self.pending.setdefault(index, set()).add(param_name)
 
     def _target(self, name: str) -> tuple[str, int | None, int | None]:
         """Our parameter name, shard index and expert index for a checkpoint tensor name.
@@ -213,6 +230,7 @@ class _WeightSink:
                                  f"expected {(rows, module.in_features)}")
             module.load_rows(start, tensor, self.device)
             self.loaded.setdefault(param_name, set()).add(piece)
+            self._settle(param_name)
             return
         dest = self._materialise(param_name)
         if expert is not None:
@@ -227,20 +245,37 @@ class _WeightSink:
             )
         dest.copy_(tensor)
         self.loaded.setdefault(param_name, set()).add(piece if expert is None else (expert, piece))
+        self._settle(param_name)
+
+    def _missing(self, param_name: str, param: torch.Tensor) -> list[str]:
+        """Checkpoint names of the pieces of `param_name` that have not arrived yet."""
+        sizes = self._shard_sizes(param_name)
+        loaded = self.loaded.get(param_name, set())
+        # A merged parameter may also arrive whole under its own name (Phi-3 stores qkv_proj fused).
+        expected = set(range(len(sizes))) if sizes is not None and -1 not in loaded else {-1}
+        if param_name.rpartition(".")[2] in self.stacked and -1 not in loaded:
+            # Stacked experts arrive whole (transformers 5's fused layout) or expert by expert.
+            expected = {(expert, shard) for expert in range(param.shape[0]) for shard in expected}
+        return [self._checkpoint_name(param_name, shard) for shard in sorted(expected - loaded)]
+
+    def _settle(self, param_name: str) -> None:
+        """Hand a watched decoder layer to `on_layer_loaded` once its last tensor arrived."""
+        index = self.layer_of.get(param_name)
+        if index is None or self._missing(param_name, self.params[param_name]):
+            return
+        pending = self.pending[index]
+        pending.discard(param_name)
+        self.settled.add(param_name)
+        if not pending:
+            del self.pending[index]
+            self.on_layer_loaded(index, decoder_layers(self.model)[index])
 
     def check_complete(self) -> None:
         """Raise naming every checkpoint tensor that never arrived."""
         missing = []
         for param_name, param in self.params.items():
-            sizes = self._shard_sizes(param_name)
-            loaded = self.loaded.get(param_name, set())
-            # A merged parameter may also arrive whole under its own name (Phi-3 stores qkv_proj fused).
-            expected = set(range(len(sizes))) if sizes is not None and -1 not in loaded else {-1}
-            if param_name.rpartition(".")[2] in self.stacked and -1 not in loaded:
-                # Stacked experts arrive whole (transformers 5's fused layout) or expert by expert.
-                expected = {(expert, shard) for expert in range(param.shape[0]) for shard in expected}
-            for shard in sorted(expected - loaded):
-                missing.append(self._checkpoint_name(param_name, shard))
+            if param_name not in self.settled:  # a settled layer's tensors may have moved out since
+                missing += self._missing(param_name, param)
         if missing:
             # dict.fromkeys: a merged module without a packed mapping names the same tensor per shard.
             raise ValueError(f"checkpoint lacks tensor(s): {', '.join(dict.fromkeys(missing))}")
@@ -268,6 +303,19 @@ def _safetensors_items(handle) -> Iterator[tuple[str, object]]:
         yield key, handle.get_slice(key)
 
 
+def build_empty_model(config: ModelConfig) -> nn.Module:
+    """The registered class for `config.model_type`, built with its parameters on the meta device
+    (no memory, no initialisation) and its tied weights tied: what the loader fills, and what the
+    planner counts parameters on. ValueError for an unregistered `model_type`."""
+    model_cls = get_model_class(config.model_type)
+    with init_empty_weights(include_buffers=False), _SkipRandomInit():
+        model = model_cls(config)
+    # init_empty_weights re-creates every assigned parameter, which unties shared ones: tie again
+    # so the shared weight is expected (and loaded, and counted) once.
+    model.tie_weights()
+    return model
+
+
 def load_model(
     model_name_or_path: str,
     dtype: torch.dtype | str | None = None,
@@ -276,12 +324,15 @@ def load_model(
     parallel: TensorParallel = SINGLE,
     quantization: str = "none",
     quantization_group_size: int = DEFAULT_GROUP_SIZE,
+    on_layer_loaded: Callable[[int, nn.Module], None] | None = None,
 ) -> LoadedModel:
     """Build the model for a checkpoint and load its weights (this rank's share under `parallel`).
 
     `dtype` None keeps the checkpoint's dtype (fp32 if the config does not say). `quantization`
     "int8" or "int4" (groups of `quantization_group_size` input features) stores the decoder layers'
     linear weights quantized (`fastgen.models.quant`), each quantized as it is loaded.
+    `on_layer_loaded(index, layer)` is called with each decoder layer as soon as all its tensors are
+    in (before later tensors are read), so a caller may move it elsewhere (weight offload).
     """
     model_dir = resolve_model_dir(model_name_or_path)
     config_path = os.path.join(model_dir, "config.json")
@@ -289,7 +340,7 @@ def load_model(
         raise FileNotFoundError(f"{model_dir} has no config.json")
     config = ModelConfig.from_file(config_path)
     config.parallel = parallel
-    model_cls = get_model_class(config.model_type)
+    get_model_class(config.model_type)  # an unsupported family fails before any weight file is opened
     if parallel.size > 1:
         check_tensor_parallel_support(config.model_type)
     gguf_file = gguf_format.gguf_source(model_dir)
@@ -297,13 +348,9 @@ def load_model(
     dtype = parse_dtype(dtype) or config.dtype or torch.float32
     device = torch.device(device)
 
-    with init_empty_weights(include_buffers=False), _SkipRandomInit():
-        model = model_cls(config)
-    # init_empty_weights re-creates every assigned parameter, which unties shared ones: tie again
-    # so the shared weight is expected (and loaded) once.
-    model.tie_weights()
+    model = build_empty_model(config)
     quantize_decoder_linears(model, quantization, dtype, quantization_group_size)
-    sink = _WeightSink(model, dtype, device)
+    sink = _WeightSink(model, dtype, device, on_layer_loaded)
     if gguf_file is not None:
         reader = gguf_format.open_gguf(gguf_file)
         tensors = gguf_format.iter_gguf_tensors(gguf_file, config.raw, reader)

@@ -51,12 +51,7 @@ class TensorParallel:
 
     def kv_heads(self, num_kv_heads: int) -> int:
         """KV heads held per rank: a share of them, or one copy when there are more ranks than heads."""
-        if num_kv_heads >= self.size:
-            return self.split(num_kv_heads, "the KV heads")
-        if self.size % num_kv_heads:
-            raise ValueError(f"tensor_parallel {self.size} must be a multiple of the {num_kv_heads} KV heads "
-                             "when it exceeds them (each KV head is then copied to size/heads ranks)")
-        return 1
+        return kv_heads_per_rank(num_kv_heads, self.size)
 
     def kv_head_start(self, num_kv_heads: int) -> int:
         """Index of this rank's first KV head in the checkpoint."""
@@ -67,6 +62,19 @@ class TensorParallel:
 
 SINGLE = TensorParallel()
 """The one-process setting (immutable, so sharing it is safe)."""
+
+
+def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """KV heads each of `size` ranks holds: a share of them, or one copy when there are more ranks
+    than heads. A function of the sizes alone, so the planner can ask before any process group exists."""
+    if num_kv_heads >= size:
+        if num_kv_heads % size:
+            raise ValueError(f"tensor_parallel {size} must divide the KV heads ({num_kv_heads})")
+        return num_kv_heads // size
+    if size % num_kv_heads:
+        raise ValueError(f"tensor_parallel {size} must be a multiple of the {num_kv_heads} KV heads "
+                         "when it exceeds them (each KV head is then copied to size/heads ranks)")
+    return 1
 
 
 def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -192,6 +192,38 @@ def _inner_k_tiles(in_features: int) -> int:
     return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
 
 
+def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The linears `quantize_decoder_linears` replaces, by name: those inside the model's decoder
+    layers (the children of its `nn.ModuleList`s), less the LM head and the children a module lists
+    in `unquantized_children`. The planner sizes quantized weights from the same list."""
+    targets: dict[str, nn.Linear] = {}
+    for list_name, layers in model.named_modules():
+        if not isinstance(layers, nn.ModuleList):
+            continue
+        for name, module in layers.named_modules(prefix=list_name):
+            if type(module) is QuantizedLinear or not isinstance(module, nn.Linear) \
+                    or isinstance(module, ParallelLMHead):
+                continue
+            parent_name, _, child = name.rpartition(".")
+            if child in getattr(model.get_submodule(parent_name), "unquantized_children", ()):
+                continue
+            targets[name] = module
+    return targets
+
+
+def quantized_weight_bytes(out_features: int, in_features: int, mode: str, dtype: torch.dtype,
+                           group_size: int = DEFAULT_GROUP_SIZE) -> int:
+    """Bytes a `QuantizedLinear`'s packed weight holds (its bias aside): int8 values plus one `dtype`
+    scale per output channel, or int4 values (two per byte) plus a `dtype` scale and zero per group
+    of `group_size` input features (a partial group counted whole, for shapes int4 would refuse)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if mode == "int8":
+        return out_features * in_features + out_features * itemsize
+    if mode == "int4":
+        return out_features * in_features // 2 + 2 * out_features * -(-in_features // group_size) * itemsize
+    raise ValueError(f"quantized_weight_bytes: mode must be 'int8' or 'int4', got {mode!r}")
+
+
 def quantize_decoder_linears(model: nn.Module, mode: str, dtype: torch.dtype,
                              group_size: int = DEFAULT_GROUP_SIZE) -> list[str]:
     """Replace the linears inside the model's decoder layers (the children of its `nn.ModuleList`s)
@@ -205,18 +237,7 @@ def quantize_decoder_linears(model: nn.Module, mode: str, dtype: torch.dtype,
         return []
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}, got {mode!r}")
-    targets: dict[str, nn.Linear] = {}
-    for list_name, layers in model.named_modules():
-        if not isinstance(layers, nn.ModuleList):
-            continue
-        for name, module in layers.named_modules(prefix=list_name):
-            if type(module) is QuantizedLinear or not isinstance(module, nn.Linear) \
-                    or isinstance(module, ParallelLMHead):
-                continue
-            parent_name, _, child = name.rpartition(".")
-            if child in getattr(model.get_submodule(parent_name), "unquantized_children", ()):
-                continue
-            targets[name] = module
+    targets = quantizable_linears(model)
     for name, linear in targets.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, QuantizedLinear(linear, mode, dtype, group_size, name))

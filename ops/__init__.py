@@ -4,7 +4,7 @@ from fastgen.ops.attention_metadata import AttentionMetadata
 from fastgen.ops.paged_attention import (
     attention,
     paged_attention,
-    paged_attention_reference,
+    torch_paged_attention,
     paged_attention_torch,
     paged_attention_triton,
     write_kv_cache,
@@ -15,7 +15,7 @@ __all__ = [
     "AttentionMetadata",
     "attention",
     "paged_attention",
-    "paged_attention_reference",
+    "torch_paged_attention",
     "paged_attention_torch",
     "paged_attention_triton",
     "triton_paged_attention",

@@ -3,11 +3,12 @@
 The op both writes this step's K/V into the cache (through `slot_mapping`) and attends each
 sequence's query tokens over its blocks (through `block_tables`). Keeping both inside one opaque
 op lets `torch.compile(fullgraph=True)` fuse everything around it and lets a CUDA graph capture
-the whole step. The implementation here is plain torch: the CPU path and the test oracle for the
-Triton kernel (`fastgen.ops.triton_attention`), which serves CUDA tensors.
+the whole step. The implementation here, `torch_paged_attention`, is the CPU path: plain torch,
+tuned for the CPU (decode rows batched into a few gathers and SDPA calls). The Triton kernel
+(`fastgen.ops.triton_attention`) serves CUDA tensors; both are tested against a float64 oracle.
 
 Three ops share one signature: `fastgen::paged_attention` picks by device (Triton on CUDA, torch
-elsewhere), `fastgen::paged_attention_torch` is always the torch reference and
+elsewhere), `fastgen::paged_attention_torch` is always the torch path and
 `fastgen::paged_attention_triton` always Triton (on the CPU only through `TRITON_INTERPRET=1`).
 
 KV-cache layout (per layer, K and V separately): `[num_blocks, block_size, num_kv_heads, head_dim]`.
@@ -90,7 +91,7 @@ def _attend_heads(qh, kh, vh, mask, scale: float, softcap: float) -> torch.Tenso
     return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def paged_attention_reference(
+def torch_paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -104,7 +105,8 @@ def paged_attention_reference(
     sliding_window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend over each sequence's blocks (plain torch).
+    """Write this step's K/V into the cache, then attend over each sequence's blocks (plain torch: the
+    CPU path, and the backend "torch" anywhere).
 
     `query` is `[T, num_q_heads, head_dim]`, `key`/`value` `[T, num_kv_heads, head_dim]`; the
     metadata is that of `AttentionMetadata`. `sliding_window` 0 means full attention; `softcap`
@@ -212,17 +214,17 @@ _LIBRARY = torch.library.Library("fastgen", "DEF")
 _LIBRARY.define("paged_attention" + _SCHEMA)
 _LIBRARY.define("paged_attention_torch" + _SCHEMA)
 _LIBRARY.define("paged_attention_triton" + _SCHEMA)
-# `paged_attention` picks by device: Triton on CUDA, the torch reference elsewhere.
-_LIBRARY.impl("paged_attention", paged_attention_reference, "CompositeExplicitAutograd")
+# `paged_attention` picks by device: Triton on CUDA, the torch path elsewhere.
+_LIBRARY.impl("paged_attention", torch_paged_attention, "CompositeExplicitAutograd")
 _LIBRARY.impl("paged_attention", triton_paged_attention, "CUDA")
-_LIBRARY.impl("paged_attention_torch", paged_attention_reference, "CompositeExplicitAutograd")
+_LIBRARY.impl("paged_attention_torch", torch_paged_attention, "CompositeExplicitAutograd")
 # On the CPU only through `TRITON_INTERPRET=1`.
 _LIBRARY.impl("paged_attention_triton", triton_paged_attention, "CompositeExplicitAutograd")
 
 paged_attention = torch.ops.fastgen.paged_attention
-"""`fastgen::paged_attention`: `paged_attention_reference`'s contract; CUDA tensors take the Triton kernel."""
+"""`fastgen::paged_attention`: `torch_paged_attention`'s contract; CUDA tensors take the Triton kernel."""
 paged_attention_torch = torch.ops.fastgen.paged_attention_torch
-"""`fastgen::paged_attention_torch`: always the torch reference (backend "torch")."""
+"""`fastgen::paged_attention_torch`: always `torch_paged_attention` (backend "torch")."""
 paged_attention_triton = torch.ops.fastgen.paged_attention_triton
 """`fastgen::paged_attention_triton`: always the Triton kernel (backend "triton"); see `triton_paged_attention`."""
 

@@ -272,7 +272,7 @@ def triton_paged_attention(
     else:
         part_acc = part_max = part_sum = out  # never read: the kernel stores to `out` directly
     interpreted = kernels_interpreted(kernels)
-    # The interpreter's bf16 tl.dot is wrong (REFERENCE.md section 3), so it computes in fp32;
+    # The Triton interpreter's bf16 tl.dot gives wrong results (numpy has no bf16), so it computes in fp32;
     # fp32 inputs use IEEE products because tl.dot would otherwise round them to tf32.
     upcast = query.dtype == torch.float32 or (interpreted and query.dtype == torch.bfloat16)
     common = dict(HEAD_DIM_PAD=head_dim_pad, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastgen.ops import paged_attention_reference, triton_paged_attention, write_kv_cache
+from fastgen.ops import torch_paged_attention, triton_paged_attention, write_kv_cache
 from fastgen.ops import triton_attention
 
 
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         got = triton_paged_attention(**inputs, scale=scale)
         err = (got.float() - expected.float()).abs().max().item()
         if sc.seqs[0][0] + sc.seqs[0][1] <= 4096 and len(sc.seqs) <= 8:
-            ref = paged_attention_reference(**inputs, scale=scale)
+            ref = torch_paged_attention(**inputs, scale=scale)
             err = max(err, (got.float() - ref.float()).abs().max().item())
         t_ms = median_ms(lambda: triton_paged_attention(**inputs, scale=scale), args.iters)
         b_ms = median_ms(baseline, args.iters)

@@ -1,21 +1,18 @@
 """What a server serves from: one local engine loop, or the replica router, behind one interface.
 
-A backend has EngineLoop's request interface (`submit`, `submit_async`, `abort`, deltas without
-the prompt text) plus what the services need besides generation: the tokenizer, a model summary
-and `close`. `PromptsStream` runs the several prompts of one call as one interleaved stream.
+A backend has EngineLoop's request interface (`submit`, `submit_async`, `abort`; deltas without
+the prompt text, delivered to a `RequestGroup` sink) plus what the services need besides
+generation: the tokenizer, a model summary and `close`. `submit_group` runs the several prompts
+of one blocking call as one `RequestGroup`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
-from collections.abc import Iterator
 from typing import Any, Protocol
 
 import fastgen
-from fastgen.engine import EngineLoop
-from fastgen.outputs import Response
+from fastgen.engine import EngineLoop, Member, RequestGroup, Sink, full_text_prefix
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.convert import Prompt
 from fastgen.serving.proto import fastgen_v1_pb2 as pb
@@ -25,24 +22,14 @@ class BackendUnavailable(RuntimeError):
     """The backend cannot take or finish a request now (loading, shut down, replica gone)."""
 
 
-class DeltaStream(Protocol):
-    """One submitted request's deltas (EngineLoop's RequestStream and the router's stream)."""
-
-    request_id: str
-
-    def __iter__(self) -> Iterator[Response]: ...
-
-    def abort(self) -> None: ...
-
-
 class Backend(Protocol):
     """The interface the gRPC services (and the REST gateway) drive."""
 
     tokenizer: Any
 
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> DeltaStream: ...
+    def submit(self, prompt: Prompt, params: SamplingParams | None, deliver: Sink) -> Member: ...
 
-    async def submit_async(self, prompt: Prompt, params: SamplingParams | None = None) -> Any: ...
+    async def submit_async(self, prompt: Prompt, params: SamplingParams | None, deliver: Sink) -> Member: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -91,108 +78,16 @@ def _text(value: Any) -> str:
     return str(value).removeprefix("torch.")
 
 
-def prompt_text(tokenizer: Any, prompt: Prompt) -> str:
-    """The prompt as `return_full_text` shows it: its token ids decoded without special tokens."""
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-    return tokenizer.decode(ids, skip_special_tokens=True)
-
-
-_END = object()
-
-
-class PromptsStream:
-    """The deltas of several prompts submitted together, interleaved as they are produced.
-
-    Every prompt is submitted (and validated) before any delta is read; if one is rejected the
-    others are aborted and the error names the prompt as `<field>[i]`. Each delta gets its
-    `prompt_index`, and with `return_full_text` the first delta of every completion starts with
-    the prompt text, so the deltas of a completion always add up to its final text. `abort()` may
-    be called from any thread.
-    """
-
-    def __init__(self, backend: Backend, prompts: list[Prompt], params: SamplingParams,
-                 field: str = "prompts") -> None:
-        self._streams: list[DeltaStream] = []
+def submit_group(backend: Backend, prompts: list[Prompt], params: SamplingParams,
+                 field: str = "prompts") -> RequestGroup:
+    """Submit every prompt (each validated by the engine; a refused one aborts the others and raises
+    its error naming `field[i]`) as one group, with the `return_full_text` prefixes. Blocking."""
+    group = RequestGroup(params.n)
+    group.submit_each(prompts, lambda prompt, sink: backend.submit(prompt, params, sink), field)
+    if params.return_full_text:
         try:
-            for i, prompt in enumerate(prompts):
-                try:
-                    self._streams.append(backend.submit(prompt, params))
-                except (ValueError, TypeError) as exc:
-                    if len(prompts) == 1:
-                        raise
-                    raise type(exc)(f"{field}[{i}]: {exc}") from exc
+            group.set_prefixes([full_text_prefix(backend.tokenizer, p, params) for p in prompts])
         except BaseException:
-            self.abort()
+            group.abort()
             raise
-        self.request_ids = [s.request_id for s in self._streams]
-        self._prefixes = {}
-        if params.return_full_text:
-            for i, prompt in enumerate(prompts):
-                text = prompt_text(backend.tokenizer, prompt)
-                self._prefixes.update({(i, choice): text for choice in range(params.n)})
-
-    def __iter__(self) -> Iterator[Response]:
-        for batch in self.batches():
-            yield from batch
-
-    def batches(self) -> Iterator[list[Response]]:
-        """The deltas in batches: each batch is every delta available when the previous one was
-        taken. Leaving the iteration early aborts the requests."""
-        try:
-            for batch in self._interleaved():
-                for delta in batch:
-                    prefix = self._prefixes.pop((delta.prompt_index, delta.index), None)
-                    if prefix is not None:
-                        delta.generated_text = prefix + delta.generated_text
-                yield batch
-        finally:
-            self.abort()
-
-    def _interleaved(self) -> Iterator[list[Response]]:
-        if len(self._streams) == 1:
-            for delta in self._streams[0]:
-                yield [delta]
-            return
-        # One pump thread per prompt: each request has its own blocking delta queue.
-        merged: queue.SimpleQueue = queue.SimpleQueue()
-        for index, stream in enumerate(self._streams):
-            threading.Thread(target=self._pump, args=(index, stream, merged), daemon=True,
-                             name=f"fastgen-prompt-{index}").start()
-        remaining = len(self._streams)
-        error: BaseException | None = None
-        while remaining:
-            batch = []
-            item = merged.get()
-            while True:
-                if item is _END:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    if error is None:
-                        error = item
-                        self.abort()
-                else:
-                    batch.append(item)
-                try:
-                    item = merged.get_nowait()
-                except queue.Empty:
-                    break
-            if batch and error is None:
-                yield batch
-        if error is not None:
-            raise error
-
-    @staticmethod
-    def _pump(index: int, stream: DeltaStream, merged: queue.SimpleQueue) -> None:
-        try:
-            for delta in stream:
-                delta.prompt_index = index
-                merged.put(delta)
-        except BaseException as exc:  # handed to the reading thread, which re-raises it
-            merged.put(exc)
-        merged.put(_END)
-
-    def abort(self) -> None:
-        """Abort every prompt's request (finished ones are ignored)."""
-        for stream in self._streams:
-            stream.abort()
-
+    return group

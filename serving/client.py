@@ -24,12 +24,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastgen.api import normalise_prompts, split_mii_stream
+from fastgen.engine import merge_deltas
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving import registry
 from fastgen.serving.cli import default_deployment_name
-from fastgen.serving.convert import merge_deltas, params_to_proto, prompts_to_proto, \
-    response_from_completion
+from fastgen.serving.convert import params_to_proto, prompts_to_proto, response_from_completion
 from fastgen.serving.grpc_guard import auth_metadata, client_api_key, open_channel, read_pem
 from fastgen.serving.grpc_server import CHANNEL_OPTIONS, rejection
 from fastgen.serving.processes import connect_host, pid_alive, wait_until

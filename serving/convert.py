@@ -10,8 +10,9 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from fastgen.api import normalise_prompts
 from fastgen.outputs import Response
-from fastgen.sampling_params import SamplingParams
+from fastgen.sampling_params import FieldValueError, SamplingParams
 from fastgen.serving.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.proto import modelresponse_pb2 as mii_pb
 
@@ -24,16 +25,15 @@ def prompts_to_proto(prompts: Sequence[Prompt]) -> list[pb.Prompt]:
 
 
 def prompts_from_proto(prompts: Sequence[pb.Prompt]) -> list[Prompt]:
-    """`Prompt` messages -> str / token-id prompts; an empty list or an unset prompt is a ValueError."""
-    if not prompts:
-        raise ValueError("prompts is empty")
+    """`Prompt` messages -> str / token-id prompts; an empty list or an unset prompt is a
+    FieldValueError naming `prompts`."""
     out: list[Prompt] = []
     for i, prompt in enumerate(prompts):
         kind = prompt.WhichOneof("prompt")
         if kind is None:
-            raise ValueError(f"prompts[{i}] has neither text nor token_ids")
+            raise FieldValueError(f"prompts[{i}] has neither text nor token_ids", "prompts")
         out.append(prompt.text if kind == "text" else list(prompt.token_ids.ids))
-    return out
+    return normalise_prompts(out)
 
 
 def _repeated(name: str) -> bool:
@@ -101,33 +101,6 @@ def response_from_completion(msg: pb.Completion, with_logprobs: bool) -> Respons
         prompt_logprobs=prompt_logprobs, index=msg.index,
         prompt_index=msg.prompt_index, num_cached_tokens=msg.num_cached_tokens, request_id=msg.request_id,
     )
-
-
-def merge_deltas(deltas: Iterable[Response]) -> list[Response]:
-    """Concatenate streamed deltas into one final Response per (prompt_index, index), in that order."""
-    merged: dict[tuple[int, int], Response] = {}
-    for delta in deltas:
-        key = (delta.prompt_index, delta.index)
-        done = merged.get(key)
-        if done is None:
-            merged[key] = Response(
-                generated_text=delta.generated_text, prompt_length=delta.prompt_length,
-                generated_length=delta.generated_length, finish_reason=delta.finish_reason,
-                token_ids=list(delta.token_ids), logprobs=None if delta.logprobs is None else list(delta.logprobs),
-                prompt_logprobs=delta.prompt_logprobs, index=delta.index, prompt_index=delta.prompt_index, num_cached_tokens=delta.num_cached_tokens,
-                request_id=delta.request_id,
-            )
-            continue
-        done.generated_text += delta.generated_text
-        done.token_ids.extend(delta.token_ids)
-        if delta.logprobs is not None:
-            done.logprobs = (done.logprobs or []) + list(delta.logprobs)
-        if delta.prompt_logprobs is not None:
-            done.prompt_logprobs = delta.prompt_logprobs
-        done.generated_length = delta.generated_length
-        done.finish_reason = delta.finish_reason
-        done.num_cached_tokens = delta.num_cached_tokens
-    return [merged[key] for key in sorted(merged)]
 
 
 def _float32_as_written(value: float) -> float:

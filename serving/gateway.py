@@ -2,8 +2,8 @@
 
 The `Gateway` admits a request against `ServingLimits` (prompts per request, `n`, sequences in
 flight), prepares its prompts off the event loop (chat templates, tokenizing when the context
-check needs the prompt's length), submits one engine request per prompt and hands back a
-`Generation`: the merged stream of their deltas. Errors are sorted by whose fault they are: the
+check needs the prompt's length), submits one engine request per prompt as one `RequestGroup` and
+hands back a `Generation`: the group's deltas, counted in the metrics. Errors are sorted by whose fault they are: the
 caller's (400), the server's capacity (429), the engine's stop (503), or an engine failure of this
 one request (500).
 """
@@ -11,7 +11,6 @@ one request (500).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +18,7 @@ from typing import Any
 
 from fastapi import Request
 
-from fastgen.engine import RequestFailed, RequestStream, max_prompt_chars
+from fastgen.engine import Member, RequestFailed, RequestGroup, Sink, full_text_prefix, max_prompt_chars, merge_deltas
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.http_guard import ApiError, Offload
@@ -34,21 +33,22 @@ Prompt = str | list[int] | ChatPrompt
 
 
 class Generation:
-    """The engine requests of one HTTP request (one per prompt), read as one stream of deltas.
+    """The engine requests of one HTTP request (a `RequestGroup`: one per prompt), read as one
+    stream of deltas and counted in the metrics.
 
     Iterate it once with `async for`; each delta's `prompt_index` names its prompt. `close()`
     aborts whatever is unfinished and gives the admission slots back; it is idempotent and runs by
     itself when the iteration ends or is cancelled.
     """
 
-    def __init__(self, gateway: Gateway, streams: list[RequestStream], num_sequences: int, started: float,
-                 prompt_token_ids: list[list[int] | None] | None = None) -> None:
+    def __init__(self, gateway: Gateway, group: RequestGroup, num_sequences: int, started: float,
+                 prompt_token_ids: list[list[int] | None]) -> None:
         self.num_sequences = num_sequences
-        self.prompt_token_ids = prompt_token_ids or [None] * len(streams)
+        self.prompt_token_ids = prompt_token_ids
         """Per prompt, the token ids the engine was given (after `truncate_prompt_tokens`), where the
         gateway tokenized it (`Gateway.start(keep_ids=True)`); None where the engine tokenizes."""
         self._gateway = gateway
-        self._streams = streams
+        self._group = group
         self._started = started
         self._first_token: dict[tuple[int, int], float] = {}
         self._last_token: dict[tuple[int, int], float] = {}
@@ -57,22 +57,11 @@ class Generation:
         self._closed = False
 
     async def __aiter__(self) -> AsyncIterator[Response]:
-        inbox: asyncio.Queue = asyncio.Queue()
-        pumps = [asyncio.ensure_future(_pump(i, stream, inbox)) for i, stream in enumerate(self._streams)]
-        open_streams = len(pumps)
         try:
-            while open_streams:
-                item = await inbox.get()
-                if item is None:
-                    open_streams -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    self._observe(item)
-                    yield item
+            async for delta in self._group:
+                self._observe(delta)
+                yield delta
         finally:
-            for pump in pumps:
-                pump.cancel()
             self.close()
 
     def _observe(self, delta: Response) -> None:
@@ -107,41 +96,13 @@ class Generation:
         self._closed = True
         unfinished = self.num_sequences - self._num_finished
         if unfinished > 0:
-            for stream in self._streams:
-                stream.abort()
+            self._group.abort()
             self._gateway.metrics.count_finished("abort", unfinished)
         self._gateway.release(self.num_sequences)
 
 
-async def _pump(prompt_index: int, stream: RequestStream, inbox: asyncio.Queue) -> None:
-    try:
-        async for delta in stream:
-            delta.prompt_index = prompt_index
-            inbox.put_nowait(delta)
-    except Exception as exc:  # handed to the reader, which raises it in the request's context
-        inbox.put_nowait(exc)
-    inbox.put_nowait(None)
-
-
-async def _merge(generation: Generation) -> list[Response]:
-    """One whole Response per choice, ordered by prompt, then choice."""
-    merged: dict[tuple[int, int], Response] = {}
-    async for d in generation:
-        key = (d.prompt_index, d.index)
-        whole = merged.get(key)
-        if whole is None:
-            merged[key] = dataclasses.replace(d, token_ids=list(d.token_ids),
-                                              logprobs=list(d.logprobs) if d.logprobs else None)
-            continue
-        whole.generated_text += d.generated_text
-        whole.token_ids.extend(d.token_ids)
-        if d.logprobs:
-            whole.logprobs = (whole.logprobs or []) + d.logprobs
-        whole.generated_length = d.generated_length
-        whole.finish_reason = d.finish_reason
-        if d.prompt_logprobs is not None:
-            whole.prompt_logprobs = d.prompt_logprobs
-    return [merged[key] for key in sorted(merged)]
+async def _merged(generation: Generation) -> list[Response]:
+    return merge_deltas([delta async for delta in generation])
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -164,6 +125,19 @@ def generation_error(exc: BaseException) -> ApiError:
         return ApiError(503, f"generation stopped: {exc}", code="engine_unavailable")
     logger.error("generation failed", exc_info=exc)
     return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}")
+
+
+def _refusal(exc: BaseException, prompt_param: str) -> BaseException:
+    """The HTTP error for a request refused at submission: 400 for the caller's mistake (naming the
+    error's field, else the prompt), 500 for an engine failure of it, 503 for a stopped engine;
+    anything else (an ApiError already, a cancellation) as it is."""
+    if isinstance(exc, (ValueError, TypeError)):
+        return ApiError(400, str(exc), param=getattr(exc, "field", None) or prompt_param)
+    if isinstance(exc, RequestFailed):
+        return generation_error(exc)
+    if isinstance(exc, RuntimeError):
+        return ApiError(503, f"the engine is not accepting requests: {exc}", code="engine_unavailable")
+    return exc
 
 
 class Gateway:
@@ -197,28 +171,35 @@ class Gateway:
         num_sequences = len(prompts) * params.n
         self._admit(len(prompts), params.n, prompt_param)
         started = time.perf_counter()
-        streams: list[RequestStream] = []
+        group = RequestGroup(params.n, asynchronous=True)
         kept: list[list[int] | None] = []
+        truncate = params.truncate_prompt_tokens
+
+        async def submit(prompt: Prompt, sink: Sink) -> Member:
+            where = f"{prompt_param}[{len(kept)}]" if len(prompts) > 1 else prompt_param
+            prepared = await self._prepare(prompt, params, where, prompt_param, max_tokens_param,
+                                           keep_ids or not add_special_tokens, add_special_tokens)
+            kept.append(None if isinstance(prepared, str) else prepared[-truncate:] if truncate else prepared)
+            return await self.backend.submit_async(prepared, params, sink)
+
         try:
-            for i, prompt in enumerate(prompts):
-                where = f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param
-                prepared = await self._prepare(prompt, params, where, prompt_param, max_tokens_param,
-                                               keep_ids or not add_special_tokens, add_special_tokens)
-                truncate = params.truncate_prompt_tokens
-                kept.append(None if isinstance(prepared, str) else prepared[-truncate:] if truncate else prepared)
-                streams.append(await self._submit(prepared, params, where, prompt_param))
-        except BaseException:
-            for stream in streams:
-                stream.abort()
+            await group.submit_each_async(prompts, submit, prompt_param)
+            if params.return_full_text:
+                group.set_prefixes(await self.offload.run(_full_text_prefixes, self.tokenizer, prompts, params))
+        except BaseException as exc:
+            group.abort()  # (a refused submission has aborted it already: aborting is idempotent)
             self.release(num_sequences)
-            raise
-        return Generation(self, streams, num_sequences, started, kept)
+            refusal = _refusal(exc, prompt_param)
+            if refusal is exc:
+                raise
+            raise refusal from None
+        return Generation(self, group, num_sequences, started, kept)
 
     def _admit(self, num_prompts: int, n: int, prompt_param: str) -> None:
         try:
             self.limits.check_request_size(num_prompts, n, prompt_param)
         except ValueError as exc:
-            raise ApiError(400, str(exc), param=prompt_param if str(exc).startswith(prompt_param) else "n") from None
+            raise ApiError(400, str(exc), param=getattr(exc, "field", None)) from None
         num_sequences = num_prompts * n
         limit = self.limits.max_pending_requests
         if limit is not None:
@@ -273,21 +254,6 @@ class Gateway:
                                 f"{max_tokens} in the completion). Please reduce the length of the {what} or "
                                 f"completion ({max_tokens_param}).", param=max_tokens_param)
 
-    async def _submit(self, prompt: str | list[int], params: SamplingParams, where: str, param: str) -> RequestStream:
-        try:
-            stream = await self.backend.submit_async(prompt, params)
-        except RequestFailed as exc:
-            raise generation_error(exc) from None
-        except (ValueError, TypeError) as exc:
-            message = str(exc)
-            for field in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
-                if message.startswith(field):
-                    raise ApiError(400, message, param=field) from None
-            raise ApiError(400, (f"{where}: " if where != param else "") + message, param=param) from None
-        except RuntimeError as exc:
-            raise ApiError(503, f"the engine is not accepting requests: {exc}", code="engine_unavailable") from None
-        return stream
-
     def release(self, num_sequences: int) -> None:
         """Give back admission slots (called by `Generation.close`)."""
         self.pending -= num_sequences
@@ -295,7 +261,7 @@ class Gateway:
 
     async def collect(self, request: Request, generation: Generation) -> list[Response]:
         """Run `generation` to its end: one merged Response per choice. Aborts it if the client disconnects."""
-        work = asyncio.ensure_future(_merge(generation))
+        work = asyncio.ensure_future(_merged(generation))
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -317,14 +283,6 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     return tokenizer.encode(text) if add_special_tokens else tokenizer.encode(text, add_special_tokens=False)
 
 
-def prompt_texts(tokenizer: Any, prompts: list[str | list[int]], skip_special_tokens: bool) -> list[str]:
-    """Each prompt as text (blocking: run on a worker).
-
-    `skip_special_tokens=False` gives OpenAI's `echo`: text verbatim, token ids decoded.
-    `True` gives `return_full_text` as everywhere else (pipeline, gRPC): tokens decoded without
-    special tokens, text prompts by way of their tokens.
-    """
-    if not skip_special_tokens:
-        return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
-    return [tokenizer.decode(tokenizer.encode(p) if isinstance(p, str) else p, skip_special_tokens=True)
-            for p in prompts]
+def _full_text_prefixes(tokenizer: Any, prompts: list[Prompt], params: SamplingParams) -> list[str]:
+    # Blocking tokenizer work: run on `offload`. Only MII's route asks for it, with text or ids.
+    return [full_text_prefix(tokenizer, p, params) for p in prompts]

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from fastgen.sampling_params import FieldValueError
 from fastgen.serving.limits import api_keys_from_env, bearer_token, key_matches
 
 logger = logging.getLogger("fastgen.serving")
@@ -106,8 +107,8 @@ class PendingBudget:
         """
         limit = self.limit
         if limit is not None and count > limit:
-            raise ValueError(f"{field}: this request needs {count} sequences (prompts x n) but the server admits "
-                             f"at most {limit} at a time")
+            raise FieldValueError(f"{field}: this request needs {count} sequences (prompts x n) but the server "
+                                  f"admits at most {limit} at a time", field)
         with self._lock:
             if limit is not None and self._pending + count > limit:
                 raise Overloaded(f"server is at its limit of {limit} pending sequences ({self._pending} in flight); "

@@ -29,13 +29,12 @@ from google.protobuf import empty_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fastgen.api import split_mii_stream
-from fastgen.engine import TensorParallelError
+from fastgen.api import normalise_prompts, split_mii_stream
+from fastgen.engine import RequestGroup, TensorParallelError
 from fastgen.outputs import Response
-from fastgen.sampling_params import SamplingParams
-from fastgen.serving.backend import Backend, BackendUnavailable, PromptsStream
-from fastgen.serving.convert import (completion_from_response, kwargs_from_mii, merge_deltas, params_from_proto,
-                                     prompts_from_proto)
+from fastgen.sampling_params import FieldTypeError, FieldValueError, SamplingParams
+from fastgen.serving.backend import Backend, BackendUnavailable, submit_group
+from fastgen.serving.convert import completion_from_response, kwargs_from_mii, params_from_proto, prompts_from_proto
 from fastgen.serving.grpc_guard import RETRY_AFTER_KEY, ApiKeyInterceptor, Overloaded, PendingBudget, \
     server_credentials
 from fastgen.serving.limits import ServingLimits
@@ -48,6 +47,8 @@ logger = logging.getLogger("fastgen.serving")
 
 ERROR_TYPE_KEY = "fastgen-error-type"
 """Trailing-metadata key naming the Python exception class behind an INVALID_ARGUMENT."""
+ERROR_FIELD_KEY = "fastgen-error-field"
+"""Trailing-metadata key naming the request field an INVALID_ARGUMENT is about, when it names one."""
 REQUEST_IDS_KEY = "fastgen-request-ids"
 """Initial-metadata key a GenerateStream sends once all its prompts are accepted."""
 TYPED_SERVICE = pb.DESCRIPTOR.services_by_name["FastGen"].full_name
@@ -62,20 +63,27 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 
 
 def rejection(call: grpc.Call) -> Exception | None:
-    """The ValueError/TypeError a failed call's INVALID_ARGUMENT stands for (None for other codes)."""
+    """The FieldTypeError/FieldValueError a failed call's INVALID_ARGUMENT stands for, with the field
+    its trailer names (None for other codes)."""
     if call.code() != grpc.StatusCode.INVALID_ARGUMENT:
         return None
-    kind = dict(call.trailing_metadata() or ()).get(ERROR_TYPE_KEY)
-    return TypeError(call.details()) if kind == "TypeError" else ValueError(call.details())
+    trailers = dict(call.trailing_metadata() or ())
+    kind = FieldTypeError if trailers.get(ERROR_TYPE_KEY) == "TypeError" else FieldValueError
+    return kind(call.details(), trailers.get(ERROR_FIELD_KEY))
 
 
 def _reject(server: "GrpcServer", context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
     """End a call refused at admission with the status that fits `exc` (raises, as `context.abort` does).
 
-    Only here does a ValueError/TypeError mean the client's request was wrong.
+    Only here does a ValueError/TypeError mean the client's request was wrong; its kind (the
+    builtin's name) and its field (a FieldError's) travel as trailers.
     """
     if isinstance(exc, (ValueError, TypeError)):
-        context.set_trailing_metadata(((ERROR_TYPE_KEY, type(exc).__name__),))
+        trailers = [(ERROR_TYPE_KEY, "TypeError" if isinstance(exc, TypeError) else "ValueError")]
+        field = getattr(exc, "field", None)
+        if isinstance(field, str) and field.isascii() and field.isprintable():  # what metadata may carry
+            trailers.append((ERROR_FIELD_KEY, field))
+        context.set_trailing_metadata(tuple(trailers))
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, Overloaded):
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(exc.retry_after_ms)),))
@@ -101,12 +109,12 @@ class FastGenServicer(pb_grpc.FastGenServicer):
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
         """Every completion of every prompt, once all are finished."""
         try:
-            stream, done = self._server.admit(prompts_from_proto(request.prompts), params_from_proto(request.params),
-                                              context)
+            group, done = self._server.admit(prompts_from_proto(request.prompts), params_from_proto(request.params),
+                                             context)
         except Exception as exc:
             _reject(self._server, context, exc)
         try:
-            return pb.GenerateResponse(completions=[completion_from_response(r) for r in merge_deltas(stream)])
+            return pb.GenerateResponse(completions=[completion_from_response(r) for r in group.results()])
         except Exception as exc:
             _fail(self._server, context, exc)
         finally:
@@ -115,13 +123,13 @@ class FastGenServicer(pb_grpc.FastGenServicer):
     def GenerateStream(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.Completion]:
         """Each completion's deltas as they are produced, interleaved across prompts and choices."""
         try:
-            stream, done = self._server.admit(prompts_from_proto(request.prompts), params_from_proto(request.params),
-                                              context)
+            group, done = self._server.admit(prompts_from_proto(request.prompts), params_from_proto(request.params),
+                                             context)
         except Exception as exc:
             _reject(self._server, context, exc)
         try:
-            context.send_initial_metadata(((REQUEST_IDS_KEY, ",".join(stream.request_ids)),))
-            for delta in stream:
+            context.send_initial_metadata(((REQUEST_IDS_KEY, ",".join(group.request_ids)),))
+            for delta in group:
                 yield completion_from_response(delta)
         except Exception as exc:
             _fail(self._server, context, exc)
@@ -179,28 +187,27 @@ class ModelResponseServicer(mii_grpc.ModelResponseServicer):
         self._server = server
 
     def _open(self, request: mii_pb.MultiStringRequest,
-              context: grpc.ServicerContext) -> tuple[PromptsStream, Callable[[], None], list[tuple[int, int]]]:
-        """The admitted stream, its release and its completions' (prompt_index, index) keys, prompt-major."""
-        if not request.request:
-            raise ValueError("request is empty: send at least one prompt")
+              context: grpc.ServicerContext) -> tuple[RequestGroup, Callable[[], None], list[tuple[int, int]]]:
+        """The admitted group, its release and its completions' (prompt_index, index) keys, prompt-major."""
+        prompts = normalise_prompts(list(request.request), "request")
         # MII's client adds stream=True to every streaming call; the method, not the flag, decides here.
         gen, _ = split_mii_stream(kwargs_from_mii(request.query_kwargs), "query_kwargs['stream']")
         params = SamplingParams.from_kwargs(**gen)
-        stream, done = self._server.admit(list(request.request), params, context, field="request")
-        return stream, done, [(p, c) for p in range(len(request.request)) for c in range(params.n)]
+        group, done = self._server.admit(prompts, params, context, field="request")
+        return group, done, [(p, c) for p in range(len(prompts)) for c in range(params.n)]
 
     def GeneratorReply(self, request: mii_pb.MultiStringRequest,
                        context: grpc.ServicerContext) -> mii_pb.MultiGenerationReply:
         """One reply per prompt (per prompt and choice with n > 1), in order."""
         started = time.perf_counter()
         try:
-            stream, done, _ = self._open(request, context)
+            group, done, _ = self._open(request, context)
         except Exception as exc:
             _reject(self._server, context, exc)
         accepted = time.perf_counter()
         try:
             return mii_pb.MultiGenerationReply(
-                response=[_mii_reply(r, r.generated_text, started, accepted) for r in merge_deltas(stream)])
+                response=[_mii_reply(r, r.generated_text, started, accepted) for r in group.results()])
         except Exception as exc:
             _fail(self._server, context, exc)
         finally:
@@ -211,13 +218,13 @@ class ModelResponseServicer(mii_grpc.ModelResponseServicer):
         """Replies with an entry for every completion, in order: its new text since the last reply."""
         started = time.perf_counter()
         try:
-            stream, done, keys = self._open(request, context)
+            group, done, keys = self._open(request, context)
         except Exception as exc:
             _reject(self._server, context, exc)
         accepted = time.perf_counter()
         latest: dict[tuple[int, int], Response] = {}
         try:
-            for batch in stream.batches():
+            for batch in group.batches():
                 texts: dict[tuple[int, int], str] = {}
                 for delta in batch:
                     key = (delta.prompt_index, delta.index)
@@ -330,27 +337,27 @@ class GrpcServer:
         return backend
 
     def admit(self, prompts: list, params: SamplingParams, context: grpc.ServicerContext,
-              field: str = "prompts") -> tuple[PromptsStream, Callable[[], None]]:
+              field: str = "prompts") -> tuple[RequestGroup, Callable[[], None]]:
         """Check a call's request against the limits, take its sequences from the pending budget and
-        submit its prompts. Returns the stream and its release, which the servicer calls when the
-        stream ends; the call's end (normal, failed or cancelled) also aborts what is left and
+        submit its prompts. Returns the group and its release, which the servicer calls when the
+        group ends; the call's end (normal, failed or cancelled) also aborts what is left and
         releases, so a client that goes away gives its place back."""
         self.limits.check_request_size(len(prompts), params.n, field)
         backend = self.backend()
         release = self._budget.acquire(len(prompts) * params.n, "n" if params.n > 1 else field)
         try:
-            stream = PromptsStream(backend, prompts, params, field)
+            group = submit_group(backend, prompts, params, field)
         except BaseException:
             release()
             raise
 
         def end() -> None:
-            stream.abort()
+            group.abort()
             release()
 
         if not context.add_callback(end):
             end()  # the call had already ended
-        return stream, release
+        return group, release
 
     def engine_stopped(self, exc: BaseException | None = None) -> bool:
         """Whether the server or its engine has stopped for good (`exc`: the error a request got),

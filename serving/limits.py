@@ -11,6 +11,8 @@ import hmac
 import os
 from collections.abc import Iterable, Sequence
 
+from fastgen.sampling_params import FieldValueError
+
 API_KEY_ENV = "FASTGEN_API_KEY"
 """Environment variable holding the API key(s) (comma-separated) when no key is given explicitly."""
 
@@ -101,13 +103,13 @@ class ServingLimits:
         return not self.api_keys or key_matches(presented, self.api_keys)
 
     def check_request_size(self, num_prompts: int, n: int, field: str = "prompts") -> None:
-        """Raise ValueError naming the bound when one request asks for too many prompts or choices
-        (`field`: what the request calls its prompts, e.g. MII's "request")."""
+        """Raise a FieldValueError naming the bound when one request asks for too many prompts (its
+        field: `field`, what the request calls its prompts, e.g. MII's "request") or choices ("n")."""
         if num_prompts > self.max_prompts_per_request:
-            raise ValueError(f"{field}: a request may carry at most {self.max_prompts_per_request} prompts, "
-                             f"got {num_prompts}")
+            raise FieldValueError(f"{field}: a request may carry at most {self.max_prompts_per_request} prompts, "
+                                  f"got {num_prompts}", field)
         if n > self.max_n:
-            raise ValueError(f"n must be <= {self.max_n} on this server, got {n}")
+            raise FieldValueError(f"n must be <= {self.max_n} on this server, got {n}", "n")
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fastgen.sampling_params import MAX_LOGPROBS, SamplingParams
+from fastgen.api import normalise_prompts
+from fastgen.sampling_params import MAX_LOGPROBS, FieldError, SamplingParams
 from fastgen.serving.http_guard import ApiError
 from fastgen.serving.openai_chat import ChatPrompt, chat_prompt
 
@@ -78,47 +79,21 @@ def describe(value: Any) -> str:
     return json.dumps(value)
 
 
-def _all_text(items: list) -> bool:
-    return all(isinstance(p, str) for p in items)
-
-
-def _all_ids(items: Any) -> bool:
-    # sum() is an int only over ints (and bools, which the engine's own check refuses): one
-    # C-speed pass instead of a Python-level test per id of a half-million-id prompt.
-    if not isinstance(items, list) or not items:
-        return False
+def prompts_param(value: Any, param: str, *, flat_ids: bool = True) -> list[str | list[int]]:
+    """`fastgen.api.normalise_prompts` of a body's prompts field, its refusal a 400 naming `param`."""
     try:
-        return type(sum(items)) is int
-    except TypeError:
-        return False
-
-
-def normalize_prompts(value: Any, param: str, *, flat_ids: bool = True) -> list[str | list[int]]:
-    """A str, list of str, token-id list (if `flat_ids`) or list of token-id lists -> list of prompts."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value:
-        if _all_text(value):
-            return list(value)
-        if flat_ids and _all_ids(value):
-            return [list(value)]
-        if all(_all_ids(p) for p in value):
-            return [list(p) for p in value]
-    kinds = "a string, a non-empty list of strings" + (", a list of token ids" if flat_ids else "")
-    raise ApiError(400, f"{param} must be {kinds} or a list of token-id lists, got {describe(value)}", param=param)
+        return normalise_prompts(value, param, flat_ids=flat_ids, describe=describe)
+    except FieldError as exc:
+        raise ApiError(400, str(exc), param=exc.field) from None
 
 
 def sampling_params(kwargs: Mapping[str, Any]) -> SamplingParams:
-    """`SamplingParams(**kwargs)`, checking one field at a time so a 400 names the bad field."""
-    for key, value in kwargs.items():
-        try:
-            SamplingParams(**{key: value})
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise ApiError(400, str(exc), param=key) from None
+    """`SamplingParams.from_kwargs(**kwargs)`, a refusal a 400 naming the bad field (none for a
+    contradiction between two fields)."""
     try:
-        return SamplingParams(**kwargs)
+        return SamplingParams.from_kwargs(**kwargs)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ApiError(400, str(exc)) from None
+        raise ApiError(400, str(exc), param=getattr(exc, "field", None)) from None
 
 
 def _int(body: Mapping[str, Any], name: str, low: int, high: int | None = None) -> int | None:
@@ -263,7 +238,7 @@ def parse_completion(body: Mapping[str, Any], model_name: str, strict: bool = Fa
     kwargs, parsed = _parse_common(body, COMPLETION_FIELDS, model_name, strict)
     if body.get("prompt") is None:
         raise ApiError(400, "prompt is required", param="prompt")
-    parsed.prompts = normalize_prompts(body["prompt"], "prompt")
+    parsed.prompts = prompts_param(body["prompt"], "prompt")
     _check_off_only(body, _COMPLETION_OFF_ONLY)
     best_of = _int(body, "best_of", 1)
     if best_of is not None and best_of != kwargs.get("n", 1):

@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastgen.api import normalise_prompts
+from fastgen.engine import END, Sink
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.backend import BackendUnavailable
@@ -42,7 +43,6 @@ from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
 logger = logging.getLogger("fastgen.serving")
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
-_END = object()
 
 
 @dataclasses.dataclass(eq=False)
@@ -124,39 +124,15 @@ class RemoteStream:
         self._call.cancel()
 
 
-class AsyncRemoteStream:
-    """`RemoteStream` for asyncio callers (`async for`), fed by a thread."""
-
-    def __init__(self, stream: RemoteStream) -> None:
-        self.request_id = stream.request_id
-        self._stream = stream
-        self._queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        threading.Thread(target=self._pump, args=(loop,), daemon=True, name="fastgen-replica-pump").start()
-
-    def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            try:
-                for delta in self._stream:
-                    loop.call_soon_threadsafe(self._queue.put_nowait, delta)
-            except Exception as exc:  # raised in the reader's task
-                loop.call_soon_threadsafe(self._queue.put_nowait, exc)
-            loop.call_soon_threadsafe(self._queue.put_nowait, _END)
-        except RuntimeError:  # the reader's event loop is closed: nobody is listening any more
-            self._stream.abort()
-
-    async def __aiter__(self) -> Any:
-        while True:
-            item = await self._queue.get()
-            if item is _END:
-                return
-            if isinstance(item, Exception):
-                raise item
-            yield item
-
-    def abort(self) -> None:
-        """Cancel the request."""
-        self._stream.abort()
+def _pump(stream: RemoteStream, deliver: Sink) -> None:
+    """Hand a replica request's deltas to its group's sink (a thread per request: a gRPC stream's
+    reads block)."""
+    try:
+        for delta in stream:
+            deliver(delta)
+    except Exception as exc:  # raised by the group's reader
+        deliver(exc)
+    deliver(END)
 
 
 class ReplicaRouter:
@@ -201,8 +177,12 @@ class ReplicaRouter:
             if request_id is not None:
                 self._streams.pop(request_id, None)
 
-    def submit(self, prompt: Any, params: SamplingParams | None = None) -> RemoteStream:
-        """Send a request to the least-loaded healthy replica; raises its ValueError/TypeError if rejected."""
+    def submit(self, prompt: Any, params: SamplingParams | None = None, deliver: Sink | None = None) -> RemoteStream:
+        """Send a request to the least-loaded healthy replica; raises its ValueError/TypeError if rejected.
+
+        The returned stream is iterable, unless `deliver` (a `RequestGroup` sink) is given: a thread
+        then reads the replica's deltas into it.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -219,6 +199,9 @@ class ReplicaRouter:
                 stream = RemoteStream(self, replica, call, request_id, params.logprobs is not None)
                 with self._lock:
                     self._streams[request_id] = stream
+                if deliver is not None:
+                    threading.Thread(target=_pump, args=(stream, deliver), daemon=True,
+                                     name="fastgen-replica-pump").start()
                 return stream
             self.release(replica, None)
             if call.code() == grpc.StatusCode.UNAVAILABLE:
@@ -227,12 +210,12 @@ class ReplicaRouter:
                 continue
             raise _replica_error(call)
 
-    async def submit_async(self, prompt: Any, params: SamplingParams | None = None) -> AsyncRemoteStream:
-        """`submit` for asyncio code: `stream = await router.submit_async(...)`, then `async for`.
+    async def submit_async(self, prompt: Any, params: SamplingParams | None, deliver: Sink) -> RemoteStream:
+        """`submit` for asyncio code, delivering to `deliver` (an asynchronous `RequestGroup`'s sink).
 
         The replica's gRPC round trip runs on a worker thread, so the event loop never waits on it.
         """
-        return AsyncRemoteStream(await asyncio.to_thread(self.submit, prompt, params))
+        return await asyncio.to_thread(self.submit, prompt, params, deliver)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request by id; unknown or finished ids are ignored."""

@@ -26,18 +26,16 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastgen.sampling_params import SamplingParams
-from fastgen.serving.gateway import Gateway, prompt_texts
+from fastgen.serving.gateway import Gateway
 from fastgen.serving.http_guard import ApiError, HttpGuard, Offload, public_routes, read_json_object
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.metrics import ServingMetrics
 from fastgen.serving.openai_api import add_openai_routes
-from fastgen.serving.openai_params import normalize_prompts, sampling_params
+from fastgen.serving.openai_params import prompts_param, sampling_params
 from fastgen.serving.openapi_schema import install_openapi
 from fastgen.serving.utility_routes import add_utility_routes
 
 logger = logging.getLogger("fastgen")
-
-_MII_FIELDS = ("generated_text", "prompt_length", "generated_length", "finish_reason")
 
 __all__ = ["ApiError", "Gateway", "create_app"]
 
@@ -77,14 +75,9 @@ def _parse_mii(body: dict[str, Any]) -> tuple[list[str | list[int]], SamplingPar
     if body.get("prompts") is None:
         raise ApiError(400, 'prompts is required: {"prompts": "..." or ["...", ...], <generation kwargs>}',
                        param="prompts")
-    prompts = normalize_prompts(body.pop("prompts"), "prompts", flat_ids=False)
+    prompts = prompts_param(body.pop("prompts"), "prompts", flat_ids=False)
     if not isinstance(body.pop("stream", False), bool):
         raise ApiError(400, "stream must be a bool (true or false)", param="stream")
-    names = SamplingParams.field_names()
-    for key in body:
-        if key not in names:
-            raise ApiError(400, f"unknown generation parameter {key[:80]!r} (supported: {', '.join(names)})",
-                           param=key[:80])
     return prompts, sampling_params(body)
 
 
@@ -97,11 +90,7 @@ def _add_mii_routes(router: APIRouter, gateway: Gateway, deployment_name: str,
                                 f"{deployment_name!r})", code="deployment_not_found")
         prompts, params = await read_json_object(request, gateway.offload, _parse_mii)
         results = await gateway.collect(request, await gateway.start(prompts, params, "prompts"))
-        prefixes = [""] * len(prompts)
-        if params.return_full_text:
-            prefixes = await gateway.offload.run(prompt_texts, gateway.tokenizer, prompts, True)
-        return JSONResponse([dict(zip(_MII_FIELDS, (prefixes[r.prompt_index] + r.generated_text, r.prompt_length,
-                                                    r.generated_length, r.finish_reason))) for r in results])
+        return JSONResponse([r.to_msg_dict() for r in results])
 
     @router.get("/terminate")
     async def terminate() -> PlainTextResponse:

@@ -48,6 +48,40 @@ def test_compiled_equals_eager_without_recompiling(model_type, tiny_checkpoints)
     assert counters["stats"]["unique_graphs"] == graphs_after_warmup, "serving recompiled after warm-up"
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_symbolic_compile_serves_every_step_size(model_type, tiny_checkpoints):
+    """The CPU plan's choice: no buckets, the decoder layer compiled once with symbolic sizes."""
+    path = tiny_checkpoints[model_type]
+    eager, _ = _generate(path)
+    pipe = fastgen.pipeline(path, **SMALL, compile="default")
+    assert pipe.engine.runner.buckets == [] and sorted(pipe.engine.runner.warmup_seconds) == [1, 5]
+    graphs_after_warmup = counters["stats"]["unique_graphs"]
+    pipe.engine.eos_token_ids = set()
+    # Steps of 1..32 tokens over 1..8 sequences, all at their exact sizes.
+    compiled = [r.token_ids for r in pipe(_prompts(), max_new_tokens=12, do_sample=False)]
+    assert compiled == eager
+    assert counters["stats"]["unique_graphs"] == graphs_after_warmup, "serving recompiled after warm-up"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (scripts/device_check.sh runs this)")
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_cuda_graphs_replay_every_bucket(model_type, tiny_checkpoints):
+    """On a GPU: the plan's buckets are each compiled and captured, and replaying them gives the eager
+    tokens (fp32, so the two paths' rounding agrees)."""
+    path = tiny_checkpoints[model_type]
+    options = {**SMALL, "dtype": "float32", "device": "cuda"}
+    eager, _ = _generate(path, **options, compile="off", cuda_graphs=False)
+    graphed, pipe = _generate(path, **options, compile="default", cuda_graphs=True)
+    runner = pipe.engine.runner
+    assert sorted(runner._graphs) == sorted(runner.buckets) == sorted(pipe.engine.plan.buckets)
+    assert graphed == eager
+
+
+def test_cpu_plan_picks_no_buckets(tiny_checkpoints):
+    plan = fastgen.pipeline(tiny_checkpoints["llama"], **SMALL, compile="default").engine.plan
+    assert plan.buckets == () and "exact size" in plan.reasons["buckets"]
+
+
 def test_pick_bucket():
     assert pick_bucket([1, 2, 4, 8], 1) == 1
     assert pick_bucket([1, 2, 4, 8], 3) == 4

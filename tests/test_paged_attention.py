@@ -1,33 +1,39 @@
-"""`fastgen::paged_attention` against a dense attention oracle written out here.
+"""`fastgen::paged_attention_torch` and `fastgen::paged_attention_triton` against the float64 oracle.
 
-The oracle keeps every sequence's K/V as plain per-token tensors and applies the rules directly:
-key j is visible to query i iff j <= i and (no window or i - j < window), GQA repeats each KV head
-over its group of query heads, softcap is `cap * tanh(score / cap)`. The KV cache starts filled
-with NaN, so any read of a slot that was never written, or any write to a wrong slot, shows up.
+The oracle (`attention_oracle.py`) takes the op's own arguments and applies the contract in plain
+Python loops: write each token's K/V to its slot, gather each sequence's keys position by position
+through its block table, causal mask, sliding window, softcap, GQA, softmax in float64. Each test
+builds real step inputs (shuffled blocks, block tables whose unused columns and padded rows point
+at arbitrary blocks) over a KV cache that starts filled with NaN, so any read of a slot that was
+never written, or a write to a wrong slot, shows up. The Triton kernel runs under the Triton
+interpreter (`TRITON_INTERPRET=1`, set before any kernel is defined), on small shapes: it is slow.
 """
 
-from dataclasses import dataclass, field
+import os
 
-import pytest
-import torch
+os.environ["TRITON_INTERPRET"] = "1"  # before the Triton kernels are defined (lazily, on first launch)
 
-import fastgen.ops
-from fastgen.ops import paged_attention
+from dataclasses import dataclass, field  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fastgen.ops  # noqa: E402  (registers the fastgen:: ops)
+from attention_oracle import paged_attention_oracle  # noqa: E402
 
 OP = torch.ops.fastgen.paged_attention
+"""The dispatching op: the torch path on the CPU."""
+TORCH_OP = torch.ops.fastgen.paged_attention_torch
+TRITON_OP = torch.ops.fastgen.paged_attention_triton
 
 
 @dataclass
 class _Seq:
-    """A sequence's blocks and the K/V of every token written so far."""
+    """A sequence's blocks and how many of its tokens are in the cache."""
 
     blocks: list[int] = field(default_factory=list)
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return len(self.keys)
+    length: int = 0
 
 
 class _Harness:
@@ -49,7 +55,7 @@ class _Harness:
     def _randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen).to(self.dtype)
 
-    def step(self, chunks: list[tuple[_Seq, int]], pad_tokens: int = 0, pad_rows: int = 0, op=OP) -> None:
+    def step(self, chunks: list[tuple[_Seq, int]], pad_tokens: int = 0, pad_rows: int = 0, op=TORCH_OP) -> None:
         """Run one op call for `(seq, num_new)` chunks plus padding, and check outputs and cache."""
         num_real = sum(n for _, n in chunks)
         total = num_real + pad_tokens
@@ -62,7 +68,8 @@ class _Harness:
                 if pos // self.block_size == len(seq.blocks):
                     seq.blocks.append(self.free.pop())
                 slots.append(seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
-            seq_lens.append(seq.length + n)
+            seq.length += n
+            seq_lens.append(seq.length)
             starts.append(starts[-1] + n)
         slots += [-1] * pad_tokens
         seq_lens += [0] * pad_rows
@@ -74,51 +81,24 @@ class _Harness:
                                dtype=torch.int32)
         for row, (seq, _) in enumerate(chunks):
             tables[row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+        args = (query, key, value, self.k_cache, self.v_cache, torch.tensor(slots, dtype=torch.int64), tables,
+                torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+                self.scale, self.window, self.softcap)
 
-        expected_k, expected_v = self.k_cache.clone(), self.v_cache.clone()
-        written = torch.tensor(slots[:num_real], dtype=torch.int64)
-        expected_k.view(-1, self.num_kv_heads, self.head_dim)[written] = key[:num_real]
-        expected_v.view(-1, self.num_kv_heads, self.head_dim)[written] = value[:num_real]
-
-        out = op(query, key, value, self.k_cache, self.v_cache, torch.tensor(slots, dtype=torch.int64), tables,
-                 torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
-                 self.scale, self.window, self.softcap)
+        expected, expected_k, expected_v = paged_attention_oracle(*args)
+        out = op(*args)
 
         assert out.shape == query.shape and out.dtype == self.dtype
         torch.testing.assert_close(self.k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(self.v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
         assert torch.count_nonzero(out[num_real:]) == 0, "padded tokens must give zeros"
         tol = dict(rtol=2e-5, atol=2e-5) if self.dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
-        for row, (seq, n) in enumerate(chunks):
-            begin = starts[row]
-            seq.keys += list(key[begin : begin + n])
-            seq.values += list(value[begin : begin + n])
-            expected = dense_attention(query[begin : begin + n], torch.stack(seq.keys), torch.stack(seq.values),
-                                       self.scale, self.window, self.softcap)
-            torch.testing.assert_close(out[begin : begin + n], expected.to(self.dtype), **tol)
+        torch.testing.assert_close(out.double(), expected, **tol)
 
 
-def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int,
-                    softcap: float) -> torch.Tensor:
-    """Oracle in float64: `query` `[Q, Hq, D]` holds the last Q positions of a sequence whose K/V are `[L, Hkv, D]`."""
-    num_q, length = query.shape[0], keys.shape[0]
-    group = query.shape[1] // keys.shape[1]
-    k = keys.double().repeat_interleave(group, dim=1)
-    v = values.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", query.double(), k) * scale
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    i = torch.arange(length - num_q, length).unsqueeze(1)
-    j = torch.arange(length).unsqueeze(0)
-    visible = j <= i
-    if window > 0:
-        visible &= i - j < window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-
-
-def _run_batch(h: _Harness, kind: str, seed: int, pad_tokens: int = 0, pad_rows: int = 0) -> None:
-    """Two op calls over a random batch of `kind` ("decode", "prefill" or "mixed")."""
+def _run_batch(h: _Harness, kind: str, seed: int, pad_tokens: int = 0, pad_rows: int = 0, op=TORCH_OP) -> None:
+    """Two op calls over a random batch of `kind` ("decode", "prefill" or "mixed"): the first writes
+    the cached context (itself a prefill batch, checked like any other call), the second is the step."""
     rng = torch.Generator().manual_seed(seed)
 
     def rand(lo: int, hi: int) -> int:
@@ -129,24 +109,26 @@ def _run_batch(h: _Harness, kind: str, seed: int, pad_tokens: int = 0, pad_rows:
         plan = [(rand(1, span), 1) for _ in range(rand(3, 6))] + [(span, 1)]
     elif kind == "prefill":
         plan = [(0, rand(1, span)) for _ in range(rand(2, 4))] + [(0, span), (0, 1)]
-    else:
+    else:  # decodes, chunked prefills with prior context, a block-aligned chunk, first chunks
         plan = [(rand(1, span), 1), (span, 1), (rand(1, span), rand(2, span)), (h.block_size, h.block_size),
                 (0, rand(2, span)), (0, 1), (rand(1, span), 1)]
     seqs = [_Seq() for _ in plan]
-    # Earlier call: the cached context (itself a prefill batch, checked like any other call).
     context = [(s, ctx) for s, (ctx, _) in zip(seqs, plan) if ctx > 0]
     if context:
-        h.step(context)
-    h.step([(s, new) for s, (_, new) in zip(seqs, plan)], pad_tokens=pad_tokens, pad_rows=pad_rows)
+        h.step(context, op=op)
+    h.step([(s, new) for s, (_, new) in zip(seqs, plan)], pad_tokens=pad_tokens, pad_rows=pad_rows, op=op)
 
 
 GQA = [(4, 4), (4, 2), (8, 2), (8, 1)]  # (query heads, KV heads): MHA, GQA 2, GQA 4, MQA
 
 
+# The torch op: the full sweep ---------------------------------------------------------------------
+
+
 @pytest.mark.parametrize("heads", GQA, ids=lambda h: f"q{h[0]}kv{h[1]}")
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
-def test_matches_dense_oracle(kind, block_size, heads):
+def test_matches_oracle(kind, block_size, heads):
     h = _Harness(block_size=block_size, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
                  seed=block_size + heads[0] + heads[1])
     _run_batch(h, kind, seed=100 * len(kind) + 10 * block_size + heads[0] + heads[1])
@@ -175,19 +157,6 @@ def test_softcap(softcap, window, dtype):
     _run_batch(h, "mixed", seed=int(softcap * 10) + window, pad_tokens=1, pad_rows=1)
 
 
-def test_oracle_rules_change_the_answer():
-    """Controls: a window and a softcap each change the oracle's output on these inputs, so the tests above
-    would notice an op that ignored them."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(6, 4, 64, generator=gen) * 3 for _ in range(3))
-    plain = dense_attention(q, k[:, :2], v[:, :2], 0.125, 0, 0.0)
-    assert not torch.allclose(plain, dense_attention(q, k[:, :2], v[:, :2], 0.125, 3, 0.0), atol=1e-3)
-    assert not torch.allclose(plain, dense_attention(q, k[:, :2], v[:, :2], 0.125, 0, 1.0), atol=1e-3)
-    # Window 1 leaves each query only its own key.
-    alone = dense_attention(q, k[:, :2], v[:, :2], 0.125, 1, 0.0)
-    torch.testing.assert_close(alone, v[:, :2].double().repeat_interleave(2, dim=1))
-
-
 def test_long_decode_chain_over_many_blocks():
     """Prefill in chunks, then decode token by token, the cache reused across calls."""
     h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=1, head_dim=64, window=7, seed=3)
@@ -198,35 +167,96 @@ def test_long_decode_chain_over_many_blocks():
         h.step([(a, 1), (b, 1)], pad_tokens=2, pad_rows=2)
 
 
+# The Triton kernel, under the interpreter ---------------------------------------------------------
+
+# (name, harness keywords, batch kind, pad tokens, pad rows): small shapes, the interpreter is slow.
+TRITON_CASES = [
+    ("mixed_gqa4_bs4", dict(block_size=4, num_q_heads=8, num_kv_heads=2, head_dim=32), "mixed", 3, 2),
+    ("mixed_mqa_bs16", dict(block_size=16, num_q_heads=4, num_kv_heads=1, head_dim=32), "mixed", 2, 1),
+    ("decode_mha", dict(block_size=4, num_q_heads=2, num_kv_heads=2, head_dim=32), "decode", 1, 1),
+    ("head_dim_80", dict(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=80), "mixed", 0, 1),
+    ("window_5", dict(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, window=5), "mixed", 2, 1),
+    ("softcap_window", dict(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, window=6, softcap=5.0),
+     "mixed", 1, 1),
+    ("bf16", dict(block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16), "mixed", 2, 2),
+]
+
+
+@pytest.mark.parametrize("harness_kw, kind, pad_tokens, pad_rows", [c[1:] for c in TRITON_CASES],
+                         ids=[c[0] for c in TRITON_CASES])
+def test_triton_kernel_matches_oracle(harness_kw, kind, pad_tokens, pad_rows):
+    h = _Harness(**harness_kw, seed=len(kind) + pad_tokens)
+    _run_batch(h, kind, seed=7 * pad_tokens + pad_rows, pad_tokens=pad_tokens, pad_rows=pad_rows, op=TRITON_OP)
+
+
+# Both ops: padding ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", [TORCH_OP, TRITON_OP], ids=["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_padded_entries_are_zero_and_write_nothing(dtype):
+def test_padded_entries_are_zero_and_write_nothing(dtype, op):
     """A decode bucket of 8 tokens / 8 rows holding 3 real decodes; the caches are checked slot by slot."""
-    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype, seed=11)
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=dtype, seed=11)
     seqs = [_Seq() for _ in range(3)]
-    h.step([(s, n) for s, n in zip(seqs, [3, 4, 9])], pad_tokens=2, pad_rows=1)
-    h.step([(s, 1) for s in seqs], pad_tokens=5, pad_rows=5)
+    h.step([(s, n) for s, n in zip(seqs, [3, 4, 9])], pad_tokens=2, pad_rows=1, op=op)
+    h.step([(s, 1) for s in seqs], pad_tokens=5, pad_rows=5, op=op)
     # Only the 3 + 4 + 9 + 3 slots ever written hold numbers; everything else is still poison.
     assert int((~h.k_cache.isnan()).all(-1).all(-1).sum()) == 19
     assert int((~h.v_cache.isnan()).all(-1).all(-1).sum()) == 19
 
 
-def test_all_padding_step():
-    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=64, seed=5)
-    h.step([], pad_tokens=4, pad_rows=2)
+@pytest.mark.parametrize("op", [TORCH_OP, TRITON_OP], ids=["torch", "triton"])
+def test_all_padding_step(op):
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, seed=5)
+    h.step([], pad_tokens=4, pad_rows=2, op=op)
     assert h.k_cache.isnan().all() and h.v_cache.isnan().all()
 
 
-def test_registered_as_torch_op():
-    assert isinstance(OP, torch._ops.OpOverloadPacket)
-    schema = OP.default._schema
-    writes = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    assert writes == {"k_cache", "v_cache"}
-    assert fastgen.ops.paged_attention is paged_attention
+# The oracle's own controls --------------------------------------------------------------------------
+
+
+def _oracle_one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+                         softcap: float = 0.0) -> torch.Tensor:
+    """The oracle on one whole sequence (`[L, H, D]` each) held in a single block."""
+    length, num_kv_heads, head_dim = k.shape
+    cache = torch.full((1, length, num_kv_heads, head_dim), float("nan"), dtype=k.dtype)
+    out, _, _ = paged_attention_oracle(q, k, v, cache, cache.clone(), torch.arange(length),
+                                       torch.zeros(1, 1, dtype=torch.int32), torch.tensor([length]),
+                                       torch.tensor([0, length]), head_dim**-0.5, window, softcap)
+    return out
+
+
+def test_oracle_equals_sdpa_and_its_rules_change_the_answer():
+    """Controls: with no window or softcap the oracle is causal SDPA (float64, KV heads repeated over their
+    query heads); a window and a softcap each change its answer, so the tests above would notice an op
+    that ignored them; a window of 1 leaves each query only its own value."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 4, 16, generator=gen, dtype=torch.float64) * 3
+    k, v = (torch.randn(6, 2, 16, generator=gen, dtype=torch.float64) * 3 for _ in range(2))
+    plain = _oracle_one_sequence(q, k, v)
+    sdpa = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(2, dim=1).transpose(0, 1),
+                                          v.repeat_interleave(2, dim=1).transpose(0, 1), is_causal=True)
+    torch.testing.assert_close(plain, sdpa.transpose(0, 1))
+    assert not torch.allclose(plain, _oracle_one_sequence(q, k, v, window=3), atol=1e-3)
+    assert not torch.allclose(plain, _oracle_one_sequence(q, k, v, softcap=1.0), atol=1e-3)
+    torch.testing.assert_close(_oracle_one_sequence(q, k, v, window=1), v.repeat_interleave(2, dim=1))
+
+
+# Registration -----------------------------------------------------------------------------------------
+
+
+def test_registered_as_torch_ops():
+    for op in (OP, TORCH_OP, TRITON_OP):
+        assert isinstance(op, torch._ops.OpOverloadPacket)
+        schema = op.default._schema
+        writes = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        assert writes == {"k_cache", "v_cache"}
+    # On the CPU the dispatching op is the torch path, bit for bit.
     h1 = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=64, seed=1)
     h2 = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=64, seed=1)
     s1, s2 = _Seq(), _Seq()
     h1.step([(s1, 6)], op=OP)
-    h2.step([(s2, 6)], op=paged_attention)
+    h2.step([(s2, 6)], op=TORCH_OP)
     torch.testing.assert_close(h1.k_cache, h2.k_cache, rtol=0, atol=0, equal_nan=True)
 
 

@@ -1,7 +1,8 @@
-"""The policy: parameter estimates against real HF models, hardware detection, the plan chosen for
+"""The policy: parameter counts (from the model built on meta) against HF's, hardware detection, the plan chosen for
 this CPU and for simulated CPUs and GPUs (with every reason present), overrides that win and
 overrides that cannot be honoured, and `python -m fastgen.planning` from a shell."""
 
+import json
 import os
 import runpy
 import subprocess
@@ -75,19 +76,45 @@ def models(tmp_path_factory) -> dict[str, ModelFacts]:
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
-def test_param_estimate_matches_hf_for_every_family(tmp_path, model_type):
+def test_param_count_equals_hf_for_every_family(tmp_path, model_type):
     cls, extra = TINY_CONFIGS[model_type]
     config = cls(**{**COMMON, **_rope_kwargs(cls, extra)})
     facts = _facts(tmp_path, config)
     assert facts.model_type == model_type
-    assert facts.num_params == pytest.approx(_hf_params(config), rel=0.01)
+    assert facts.num_params == _hf_params(config)  # counted on our model class built on meta: exact
 
 
 @pytest.mark.parametrize("config", [transformers.LlamaConfig(**LLAMA2_7B), transformers.MixtralConfig(),
                                     transformers.GPT2Config(), transformers.OPTConfig()],
                          ids=["llama2-7b", "mixtral-8x7b", "gpt2", "opt-125m"])
-def test_param_estimate_matches_hf_at_real_sizes(tmp_path, config):
-    assert _facts(tmp_path, config).num_params == pytest.approx(_hf_params(config), rel=0.01)
+def test_param_count_equals_hf_at_real_sizes(tmp_path, config):
+    assert _facts(tmp_path, config).num_params == _hf_params(config)
+
+
+def test_unregistered_model_type_is_a_clear_error(tmp_path):
+    path = tmp_path / "unknown"
+    transformers.LlamaConfig(**COMMON).save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'gemma3'; fastgen supports: .*llama"):
+        model_facts(str(path))
+
+
+@pytest.mark.parametrize("quantization, group_size", [("none", 128), ("int8", 128), ("int4", 32)])
+def test_weight_bytes_equal_the_loaded_model(tiny_checkpoints, quantization, group_size):
+    """The planner's bytes are what the loader actually holds: parameters plus packed int8/int4
+    weights and their scales (the rotary cache is not weights)."""
+    from fastgen.models.loader import load_model
+    from fastgen.models.rope import RotaryEmbedding
+
+    for model_type in ("llama", "qwen2", "qwen2_moe"):  # untied, tied, MoE with a shared expert
+        path = tiny_checkpoints[model_type]
+        model = load_model(path, dtype=torch.bfloat16, progress=False, quantization=quantization,
+                           quantization_group_size=group_size).model
+        rotary = {id(b) for m in model.modules() if isinstance(m, RotaryEmbedding) for b in m.buffers()}
+        held = [t for t in [*model.parameters(), *model.buffers()] if id(t) not in rotary]
+        assert model_facts(path).weight_bytes(torch.bfloat16, quantization, group_size) == \
+            sum(t.numel() * t.element_size() for t in held), model_type
 
 
 def test_moe_active_params_count_top_k_experts(tmp_path):
@@ -146,7 +173,7 @@ def test_hardware_rejects_inconsistent_descriptions():
 def _check_consistent(plan: Plan) -> None:
     """Invariants every plan keeps, whoever chose the values."""
     assert set(plan.reasons) == set(PLAN_FIELDS) and all(r.strip() for r in plan.reasons.values())
-    assert list(plan.buckets) == sorted(set(plan.buckets)) and plan.buckets[-1] <= plan.token_budget
+    assert list(plan.buckets) == sorted(set(plan.buckets)) and max(plan.buckets, default=0) <= plan.token_budget
     assert plan.max_seqs <= plan.token_budget and plan.kv_cache_memory > 0
     table = plan.table()
     assert all(name in table for name in PLAN_FIELDS)
@@ -167,7 +194,7 @@ def test_two_core_bf16_cpu_plan_for_1b(models):
     # > 10% of its time re-streaming 2 GB of weights at ~23 GB/s: floored at 256.
     reason = plan.reasons["token_budget"]
     assert plan.token_budget == 256 and "3.9 s" in reason and "fits 99 tokens" in reason and "floored at 256" in reason
-    assert plan.buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256) and plan.max_seqs == 256
+    assert plan.buckets == () and "exact size" in plan.reasons["buckets"] and plan.max_seqs == 256
     assert plan.block_size == 128  # head_dim 64
     assert (plan.tensor_parallel, plan.replica_num) == (1, 1)
 
@@ -182,7 +209,7 @@ def test_cpu_budget_scales_with_model_size(tmp_path, models):
 def test_tiny_fp32_checkpoint_stays_fp32_on_cpu_with_fastgen_budget(models):
     plan = make_plan(models["tiny"], _cpu())
     assert plan.dtype == torch.float32 and "tiny" in plan.reasons["dtype"]
-    assert plan.token_budget == 768 and plan.buckets[-2:] == (512, 768)
+    assert plan.token_budget == 768 and plan.buckets == ()
     assert plan.kv_cache_memory == 512 * 512 * models["tiny"].kv_bytes(torch.float32)  # max_seqs full-length seqs
 
 
@@ -262,14 +289,15 @@ def test_tensor_parallel_may_span_the_machines_of_a_torchrun_launch(models):
 
 def test_model_too_large_for_every_gpu_is_a_clear_error(models):
     # 8 H100s hold 405B only in int8 (the policy's choice, tests/test_quantization.py); refusing it is an error.
+    # Each of these would stream its weights (tests/test_offload.py) unless offload is refused too.
     with pytest.raises(ValueError, match="model too large.*TP=8"):
-        make_plan(models["405b"], _gpus(*[H100] * 8), quantization="none")
+        make_plan(models["405b"], _gpus(*[H100] * 8), quantization="none", offload="none")
     with pytest.raises(ValueError, match="model too large.*even int4.*TP=2"):
-        make_plan(models["405b"], _gpus(H100, H100))
+        make_plan(models["405b"], _gpus(H100, H100), offload="none")
     with pytest.raises(ValueError, match="model too large"):
-        make_plan(models["70b"], _gpus(A10))
+        make_plan(models["70b"], _gpus(A10), offload="none")
     with pytest.raises(ValueError, match="model too large"):
-        make_plan(models["70b"], _cpu())
+        make_plan(models["70b"], _cpu(), offload="none")
 
 
 # Overrides ------------------------------------------------------------------------------------
@@ -278,7 +306,8 @@ def test_model_too_large_for_every_gpu_is_a_clear_error(models):
 def test_overrides_win_and_say_so(models):
     overrides = dict(dtype=torch.float16, attention_backend="torch", compile="max-autotune", cuda_graphs=False,
                      buckets=(1, 8, 64), token_budget=128, max_seqs=32, block_size=16, kv_cache_memory=GIB,
-                     tensor_parallel=2, replica_num=2, quantization="int4", quantization_group_size=64)
+                     tensor_parallel=2, replica_num=2, quantization="int4", quantization_group_size=64,
+                     offload="none", weight_memory=64 * GIB)
     plan = make_plan(models["7b"], _gpus(*[H100] * 4), **overrides)
     assert plan.engine_kwargs() == overrides
     assert all(plan.reasons[name] == "set by the user" for name in overrides)
@@ -286,7 +315,8 @@ def test_overrides_win_and_say_so(models):
 
 def test_derived_fields_follow_overrides(models):
     plan = make_plan(models["1b"], _cpu(), token_budget=64)
-    assert plan.buckets[-1] == 64 and plan.max_seqs == 64
+    assert plan.max_seqs == 64
+    assert make_plan(models["7b"], _gpus(H100), token_budget=64).buckets[-1] == 64
     raised = make_plan(models["1b"], _cpu(), buckets=(1, 8, 1024))
     assert raised.token_budget == 1024 and "raised" in raised.reasons["token_budget"]
     half = make_plan(models["7b"], _gpus(H100), kv_cache_memory=0.5)

@@ -205,11 +205,11 @@ def test_policy_quantizes_only_when_nothing_else_fits(one_b):
     assert tighter.quantization == "int4" and "int8 ones" in tighter.reasons["quantization"]
     assert tighter.quantization_group_size == 128 and "128 input features" in tighter.reasons["quantization_group_size"]
     with pytest.raises(ValueError, match="model too large.*even int4"):
-        make_plan(one_b, _cpu(0.5))
+        make_plan(one_b, _cpu(0.5), offload="none")  # it would stream otherwise (tests/test_offload.py)
     # The user wins both ways, and a refusal to quantize is the old error.
     assert make_plan(one_b, _cpu(24), quantization="int4").reasons["quantization"] == "set by the user"
     with pytest.raises(ValueError, match="model too large"):
-        make_plan(one_b, _cpu(1), quantization="none")
+        make_plan(one_b, _cpu(1), quantization="none", offload="none")
 
 
 def test_policy_prefers_more_gpus_to_quantization(models_70b):

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from fastgen import EngineConfig
 from fastgen.engine import Engine
-from fastgen.engine import EngineLoop, RequestFailed
+from fastgen.engine import END, EngineLoop, RequestFailed
 from fastgen.outputs import Response
 from fastgen.serving.http_guard import HttpGuard
 from fastgen.serving.limits import ServingLimits
@@ -243,30 +243,28 @@ def test_the_tokenizer_never_runs_on_the_event_loop(client, watcher):
     assert not [call for call in watcher.calls if call[1]], "tokenizer called on the event loop"
 
 
-class _FailingStream:
+class _FailingRequest:
     request_id = "x"
 
-    def __init__(self, error):
-        self.error, self.aborted = error, False
-
-    async def __aiter__(self):
-        yield Response("a", 3, 1, "none", [7])
-        raise self.error
+    def __init__(self):
+        self.aborted = False
 
     def abort(self):
         self.aborted = True
 
 
 class _FakeBackend:
-    """A backend whose requests fail inside the stream (`error`), or that refuses them (`refuse`)."""
+    """A backend whose requests fail after one delta (`error`), or that refuses them (`refuse`)."""
 
     def __init__(self, tokenizer, error=None, refuse=None):
         self.tokenizer, self.error, self.refuse = tokenizer, error, refuse
 
-    async def submit_async(self, prompt, params):
+    async def submit_async(self, prompt, params, deliver):
         if self.refuse is not None:
             raise self.refuse
-        return _FailingStream(self.error)
+        for item in (Response("a", 3, 1, "none", [7]), self.error, END):
+            deliver(item)
+        return _FailingRequest()
 
 
 def test_an_engine_failure_is_a_500_for_that_request_and_a_stopped_engine_503(loop):

@@ -82,7 +82,7 @@ class Sim:
         for seq, _ in batch.chunks:
             self._check_kv(seq)  # every computed position reads back its own token
         for seq in to_sample:
-            seq.output_token_ids.append(fake_token(seq))
+            seq.append_token(fake_token(seq))
             if len(seq.output_token_ids) >= self.max_new[seq.seq_id]:
                 sched.finish(seq, "length")
         self._check_state()

@@ -1,14 +1,20 @@
-"""The Triton paged-attention and KV-write kernels, run through the Triton interpreter, against the torch reference.
+"""The Triton paged-attention and KV-write kernels against the float64 oracle and the torch path.
 
 Each case is one random ragged batch (cached context + new query tokens per sequence, shuffled
 blocks). The KV cache starts NaN outside the cached context and the output buffer starts NaN:
-every valid output element must be written and match the reference, padded rows must stay
+every valid output element must be written and match the oracle, padded rows must stay
 untouched, and a read of any slot that was never written would show up as NaN.
+
+On the CPU the kernels run through the Triton interpreter. With `FASTGEN_TRITON_DEVICE=cuda`
+(scripts/device_check.sh, on a GPU machine) the kernel cases run compiled, on the GPU, and the
+tests that only make sense in the interpreter are skipped.
 """
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined (they are, lazily, on first use)
+DEVICE = os.environ.get("FASTGEN_TRITON_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined (they are, lazily, on first use)
 
 import runpy  # noqa: E402
 import subprocess  # noqa: E402
@@ -21,9 +27,12 @@ import torch  # noqa: E402
 
 import fastgen  # noqa: E402
 from fastgen.models.loader import load_model  # noqa: E402
-from fastgen.ops import AttentionMetadata, attention, paged_attention_reference, write_kv_cache  # noqa: E402
+from fastgen.ops import AttentionMetadata, attention, torch_paged_attention, write_kv_cache  # noqa: E402
 from fastgen.ops import triton_attention as ta  # noqa: E402
+from attention_oracle import paged_attention_oracle  # noqa: E402
 from kit import PagedRunner  # noqa: E402
+
+interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="runs CPU tensors through the Triton interpreter")
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}
 
@@ -84,20 +93,25 @@ def make_batch(seqs: list[tuple[int, int]], *, block_size: int, num_q_heads: int
 
 def check_against_reference(batch: Batch, *, sliding_window: int = 0, softcap: float = 0.0,
                             num_kv_splits: int | None = None) -> None:
-    """Run kernel and reference on copies of the cache; compare outputs and caches."""
+    """Run the kernel (on `DEVICE`) on copies of the cache; compare its output and caches with the
+    float64 oracle's, and its output with the torch path's."""
     scale = batch.query.shape[-1] ** -0.5
-    ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
-    expected = paged_attention_reference(*batch.args(ref_k, ref_v), scale, sliding_window, softcap)
-    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-    out = torch.full_like(batch.query, float("nan"))
-    ta.triton_paged_attention(*batch.args(k_cache, v_cache), scale, sliding_window, softcap, out=out,
-                              num_kv_splits=num_kv_splits)
+    expected, ref_k, ref_v = paged_attention_oracle(*batch.args(batch.k_cache, batch.v_cache), scale,
+                                                    sliding_window, softcap)
+    torch_out = torch_paged_attention(*batch.args(batch.k_cache.clone(), batch.v_cache.clone()), scale,
+                                      sliding_window, softcap)
+    args = [t.to(DEVICE) for t in batch.args(batch.k_cache.clone(), batch.v_cache.clone())]
+    k_cache, v_cache = args[3], args[4]
+    out = torch.full_like(args[0], float("nan"))
+    ta.triton_paged_attention(*args, scale, sliding_window, softcap, out=out, num_kv_splits=num_kv_splits)
+    out, k_cache, v_cache = out.cpu(), k_cache.cpu(), v_cache.cpu()
     torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0, equal_nan=True)
     assert torch.isnan(out[~batch.valid]).all(), "the kernel wrote rows of padded tokens"
     assert not torch.isnan(out[batch.valid]).any(), "the kernel left valid output elements unwritten"
     tol = TOL[batch.query.dtype]
-    torch.testing.assert_close(out[batch.valid], expected[batch.valid], rtol=tol, atol=tol)
+    torch.testing.assert_close(out[batch.valid].double(), expected[batch.valid], rtol=tol, atol=tol)
+    torch.testing.assert_close(out[batch.valid], torch_out[batch.valid], rtol=tol, atol=tol)
 
 
 # (name, sequences, make_batch keywords, check keywords): one random ragged batch per case.
@@ -131,10 +145,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("seqs,batch_kw,check_kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_kernel_matches_reference(seqs, batch_kw, check_kw):
+def test_kernel_matches_oracle(seqs, batch_kw, check_kw):
     check_against_reference(make_batch(seqs, **batch_kw), **check_kw)
 
 
+@interpreter_only
 def test_kv_write_skips_padding_slots():
     batch = make_batch([(3, 5), (0, 0), (10, 2)], block_size=16, num_q_heads=2, num_kv_heads=2, head_dim=80,
                        dtype=torch.float16, pad_tokens=3)
@@ -162,7 +177,8 @@ def test_prefix_hit_reads_blocks_filled_in_the_same_step():
     check_against_reference(batch)
 
 
-def test_op_zeroes_padded_rows_and_matches_reference_op():
+@interpreter_only
+def test_op_zeroes_padded_rows_and_matches_torch_op():
     batch = make_batch([(12, 3), (0, 0)], block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, pad_tokens=4)
     ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
     expected = torch.ops.fastgen.paged_attention_torch(*batch.args(ref_k, ref_v), 0.125)
@@ -173,6 +189,7 @@ def test_op_zeroes_padded_rows_and_matches_reference_op():
     torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
 
 
+@interpreter_only
 def test_compiles_fullgraph_around_the_triton_op():
     batch = make_batch([(9, 1), (0, 6)], block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64)
     md = AttentionMetadata(batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.query_start_loc,
@@ -194,6 +211,7 @@ def _bad(batch: Batch, **changes) -> tuple:
     return tuple(fields.values())
 
 
+@interpreter_only
 def test_bad_metadata_raises_before_launch():
     batch = make_batch([(20, 1), (0, 5)], block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64)
     cases = [
@@ -218,6 +236,7 @@ def test_bad_metadata_raises_before_launch():
         torch.testing.assert_close(batch.k_cache, k_before, rtol=0, atol=0, equal_nan=True)
 
 
+@interpreter_only
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch, tiny_checkpoints):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     batch = make_batch([(4, 2)], block_size=16, num_q_heads=2, num_kv_heads=2, head_dim=64)
@@ -242,8 +261,9 @@ def test_split_rule_depends_on_shapes_only():
     assert [ta.supports_head_dim(d) for d in (64, 80, 96, 128, 256, 72, 8, 512)] == [True] * 5 + [False] * 3
 
 
+@interpreter_only
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])
-def test_model_greedy_tokens_match_reference_op(model_type, tiny_checkpoints):
+def test_model_greedy_tokens_match_torch_op(model_type, tiny_checkpoints):
     """A whole tiny model through the Triton op: same greedy tokens and logits as the torch op."""
     model = load_model(tiny_checkpoints[model_type], progress=False).model
     prompts = [[5, 9, 44, 7], list(range(30, 49)), [100 + 3 * i for i in range(11)]]
@@ -264,6 +284,7 @@ def test_model_greedy_tokens_match_reference_op(model_type, tiny_checkpoints):
     torch.testing.assert_close(outputs["triton"][1], outputs["torch"][1], rtol=1e-4, atol=1e-4)
 
 
+@interpreter_only
 def test_pipeline_with_triton_backend_matches_torch(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
     small = dict(num_kv_blocks=16, block_size=8, token_budget=16, max_seqs=4, progress=False)
@@ -276,6 +297,7 @@ def test_pipeline_with_triton_backend_matches_torch(tiny_checkpoints):
     assert results["triton"] == results["torch"]
 
 
+@interpreter_only
 def test_interpreter_works_when_triton_was_imported_first():
     """torch._dynamo imports triton, so in a test session triton's own jit functions may predate
     TRITON_INTERPRET=1; the kernels must still run (they avoid `triton.language.standard`)."""
@@ -283,13 +305,13 @@ def test_interpreter_works_when_triton_was_imported_first():
         import os, torch, torch._dynamo, sys
         assert "triton" in sys.modules
         os.environ["TRITON_INTERPRET"] = "1"
-        from fastgen.ops import paged_attention_reference, triton_paged_attention
+        from fastgen.ops import torch_paged_attention, triton_paged_attention
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(5, h, 64, generator=gen) for h in (4, 2, 2))
         caches = [torch.randn(4, 16, 2, 64, generator=gen) for _ in range(2)]
         meta = (torch.tensor([3, 4, 5, 6, 40]), torch.tensor([[0, 1], [2, 0]], dtype=torch.int32),
                 torch.tensor([7, 20], dtype=torch.int32), torch.tensor([0, 4, 5], dtype=torch.int32))
-        ref = paged_attention_reference(q, k, v, *[c.clone() for c in caches], *meta, 0.125)
+        ref = torch_paged_attention(q, k, v, *[c.clone() for c in caches], *meta, 0.125)
         got = triton_paged_attention(q, k, v, *caches, *meta, 0.125, num_kv_splits=2)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         print("ok")
@@ -299,6 +321,7 @@ def test_interpreter_works_when_triton_was_imported_first():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+@interpreter_only
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter accepts code the compiler rejects (e.g. non-constexpr globals): compile each
     kernel to a cubin for sm_90 with Triton's bundled toolchain, in a process without the interpreter."""

@@ -3,8 +3,8 @@ and text out.
 
 `Engine` (validation, stepping, isolation of failing requests), `Sequence`, `Scheduler` (the
 SplitFuse policy and the per-step bookkeeping), `BlockManager` (paged KV blocks, prefix cache),
-`Sampler`, the detokenizer and stop strings, and `EngineLoop` (the engine on a background thread for
-servers).
+`Sampler`, the detokenizer and stop strings, `EngineLoop` (the engine on a background thread for
+servers) and `RequestGroup` (the prompts of one call read as one stream, for every entry point).
 
 May import: `fastgen.executor`, `fastgen.planning`, `fastgen.models`, `fastgen.ops` and fastgen's
 data types (`fastgen.config`, `fastgen.sampling_params`, `fastgen.outputs`); never `fastgen.api`
@@ -13,7 +13,9 @@ or `fastgen.serving`.
 
 from fastgen.engine.engine import DEMO_MODEL_DIR, Engine, PreparedRequest, RequestFailed, max_prompt_chars
 from fastgen.engine.loop import EngineLoop, RequestStream
+from fastgen.engine.request_group import END, Member, RequestGroup, Sink, full_text_prefix, merge_deltas
 from fastgen.executor.distributed import TensorParallelError
 
-__all__ = ["DEMO_MODEL_DIR", "Engine", "EngineLoop", "PreparedRequest", "RequestFailed", "RequestStream",
-           "TensorParallelError", "max_prompt_chars"]
+__all__ = ["DEMO_MODEL_DIR", "END", "Engine", "EngineLoop", "Member", "PreparedRequest", "RequestFailed",
+           "RequestGroup", "RequestStream", "Sink", "TensorParallelError", "full_text_prefix", "max_prompt_chars",
+           "merge_deltas"]

@@ -77,8 +77,8 @@ class _SeqBlocks:
 class BlockManager:
     """Host-side allocator of KV-cache blocks with reference counts and prefix caching.
 
-    Allocation takes truly free blocks first, then evicts cached unreferenced blocks, least
-    recently freed or matched first. Blocks of a freed sequence enter the LRU order tail first, so
+    Allocation takes truly free blocks first (the most recently freed first), then evicts cached
+    unreferenced blocks, least recently freed or matched first. Blocks of a freed sequence enter the LRU order tail first, so
     the shared heads of prefixes outlive their tails.
     """
 
@@ -91,7 +91,10 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._block_keys: list[_Key | None] = [None] * num_blocks
         self._block_nodes = [_ROOT] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # A stack, block 0 on top: the most recently freed block is reused first. Its KV memory is
+        # warm; a FIFO would walk through every never-used block first, faulting in the whole
+        # (lazily allocated) CPU cache, which grows a server's RSS request after request.
+        self._free: deque[int] = deque(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref count 0, LRU first
         self._cache: dict[_Key, int] = {}
         self._seqs: dict[int, _SeqBlocks] = {}
@@ -261,7 +264,7 @@ class BlockManager:
 
     def _take_block(self) -> int:
         if self._free:
-            block = self._free.popleft()
+            block = self._free.pop()
         else:
             block, _ = self._evictable.popitem(last=False)
             del self._cache[self._block_keys[block]]

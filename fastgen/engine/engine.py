@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from fastgen.engine.block_manager import BlockManager
 from fastgen.config import EngineConfig
 from fastgen.engine.detokenizer import TextStream
+from fastgen.engine.request_group import full_text_prefix
 from fastgen.executor.distributed import TensorParallelGroup, torchrun_env
 from fastgen.planning.hardware import detect_hardware
 from fastgen.planning.model_facts import model_facts
@@ -35,7 +36,7 @@ from fastgen.outputs import Response
 from fastgen.planning.plan import Plan
 from fastgen.planning.policy import make_plan
 from fastgen.engine.sampler import Sampler, SamplingMetadata, make_generator
-from fastgen.sampling_params import SamplingParams
+from fastgen.sampling_params import FieldValueError, SamplingParams
 from fastgen.engine.scheduler import Scheduler
 from fastgen.engine.sequence import Sequence, SequenceStatus
 from fastgen.engine.step_builder import build_host_inputs, long_rope_namespace, prompt_logit_positions
@@ -139,7 +140,7 @@ class Engine:
             max_model_len=self.max_model_len, max_seqs=plan.max_seqs, quantization=plan.quantization,
             quantization_group_size=plan.quantization_group_size, attention_backend=plan.attention_backend,
             buckets=tuple(buckets), compile=plan.compile, cuda_graphs=plan.cuda_graphs, num_threads=threads,
-            progress=config.progress)
+            progress=config.progress, offload=plan.offload, weight_memory=plan.weight_memory)
         if self.tp_group is not None:
             self.tp_group.send_spec(spec)  # workers load their shards while this rank loads its own
         loaded = load_for_spec(spec, self.device, parallel, config.progress)
@@ -223,7 +224,7 @@ class Engine:
                                 ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in token_ids if t >= self.vocab_size]
             if bad:
-                raise ValueError(f"{name} contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+                raise FieldValueError(f"{name} contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})", name)
         return PreparedRequest(ids, params, self._bad_words_ids(params.bad_words))
 
     def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
@@ -504,7 +505,7 @@ class Engine:
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> Response:
         """Add a sampled token, update text, apply stop rules; returns the delta."""
-        seq.output_token_ids.append(token)
+        seq.append_token(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         p = seq.params
@@ -551,7 +552,7 @@ class Engine:
         """The whole completion of a finished (or aborted) sequence."""
         text = seq.stream.text
         if seq.params.return_full_text:
-            text = self.tokenizer.decode(seq.prompt_token_ids, skip_special_tokens=True) + text
+            text = full_text_prefix(self.tokenizer, seq.prompt_token_ids, seq.params) + text
         return Response(
             generated_text=text,
             prompt_length=seq.num_prompt_tokens,

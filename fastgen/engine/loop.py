@@ -18,12 +18,11 @@ from typing import Any, Callable
 
 from fastgen.executor.distributed import TensorParallelError
 from fastgen.engine.engine import Engine, PreparedRequest, RequestFailed
+from fastgen.engine.request_group import END as _DONE, Sink
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("fastgen")
-
-_DONE = object()
 
 __all__ = ["EngineLoop", "RequestFailed", "RequestStream"]
 
@@ -84,15 +83,17 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="fastgen-engine-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: Any, params: SamplingParams | None = None) -> RequestStream:
+    def submit(self, prompt: Any, params: SamplingParams | None = None, deliver: Sink | None = None) -> RequestStream:
         """Queue a request; raises here (ValueError/TypeError) if the engine rejects it.
 
         The prompt is tokenized and validated on the calling thread; the engine thread only queues it.
+        `deliver` (a `RequestGroup` sink, called on the engine thread) receives the deltas instead of
+        the returned stream, which is then not iterable.
         """
         self._check_running()
         prepared = self.engine.prepare(prompt, params)
-        deltas: queue.SimpleQueue = queue.SimpleQueue()
-        future = self._add(prepared, deltas.put, deltas)
+        deltas: queue.SimpleQueue | None = queue.SimpleQueue() if deliver is None else None
+        future = self._add(prepared, deliver or deltas.put, deltas)
         while True:
             try:
                 return future.result(timeout=0.5)
@@ -101,8 +102,10 @@ class EngineLoop:
                 if not self._thread.is_alive():
                     self._fail_pending()
 
-    async def submit_async(self, prompt: Any, params: SamplingParams | None = None) -> RequestStream:
-        """Like `submit`, for asyncio code: `stream = await loop.submit_async(...)`, then `async for`.
+    async def submit_async(self, prompt: Any, params: SamplingParams | None = None,
+                           deliver: Sink | None = None) -> RequestStream:
+        """Like `submit`, for asyncio code: `stream = await loop.submit_async(...)`, then `async for`
+        (or the deltas go to `deliver`, as for `submit`).
 
         Tokenizing runs on the loop's tokenizer threads and acceptance is awaited, so the event loop
         is never blocked, however long the prompt or the current engine step.
@@ -110,6 +113,8 @@ class EngineLoop:
         self._check_running()
         aio_loop = asyncio.get_running_loop()
         prepared = await aio_loop.run_in_executor(self._tokenizers, self.engine.prepare, prompt, params)
+        if deliver is not None:
+            return await asyncio.wrap_future(self._add(prepared, deliver, None))
         deltas: asyncio.Queue = asyncio.Queue()
         future = self._add(prepared, lambda item: aio_loop.call_soon_threadsafe(deltas.put_nowait, item), deltas)
         return await asyncio.wrap_future(future)

@@ -27,7 +27,7 @@ class Sequence:
     """Tokens and bookkeeping of one output stream (one of a request's `n` choices)."""
 
     __slots__ = (
-        "seq_id", "request_id", "index", "arrival", "params", "prompt_token_ids", "output_token_ids",
+        "seq_id", "request_id", "index", "arrival", "params", "prompt_token_ids", "output_token_ids", "token_ids",
         "num_computed_tokens", "status", "finish_reason", "generator", "logprobs", "stream", "text",
         "children", "num_cached_prompt_tokens", "num_preemptions", "bad_words_ids", "prompt_logprobs",
     )
@@ -49,6 +49,10 @@ class Sequence:
         self.params = params
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        """Generated tokens; grow them only through `append_token`."""
+        self.token_ids: list[int] = list(prompt_token_ids)
+        """Prompt plus generated tokens as one list, kept in step by `append_token` so the scheduler's
+        and step builder's per-step reads cost no copy of the history. Read-only for everyone else."""
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
@@ -72,12 +76,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
-    @property
-    def token_ids(self) -> list[int]:
-        """Prompt plus generated tokens, as one list (a copy)."""
-        return self.prompt_token_ids + self.output_token_ids
+    def append_token(self, token: int) -> None:
+        """Add one generated token."""
+        self.output_token_ids.append(token)
+        self.token_ids.append(token)
 
     @property
     def num_pending_tokens(self) -> int:

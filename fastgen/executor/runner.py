@@ -1,12 +1,14 @@
 """Runs the model on one scheduled batch: flat metadata in, logits of the sampled rows out.
 
-The runner owns the model, the KV-cache tensors, the per-bucket compiled steps and (on CUDA)
-the per-bucket CUDA graphs; it is the only place that knows about graphs. A step is padded to
-the smallest bucket that holds it; a step larger than every bucket runs eagerly.
+The runner owns the model, the KV-cache tensors, the compiled decoder layer and (on CUDA) the
+per-bucket CUDA graphs; it is the only place that knows about graphs. With buckets a step is padded
+to the smallest bucket that holds it and a step larger than every bucket runs eagerly; without
+(the CPU plan) every step runs at its exact size through one symbolic-shape compile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -17,8 +19,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fastgen.models.config import ModelConfig
+from fastgen.models.layers import decoder_layers
 from fastgen.models.loader import LoadedModel, load_model
 from fastgen.models.parallel import SINGLE, TensorParallel
+from fastgen.executor.offload import STREAMER_ATTR, install_offload, new_streamer
 from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, StepTensors, pick_bucket
 
 logger = logging.getLogger("fastgen")
@@ -66,20 +70,29 @@ class RunnerSpec:
     """CPU threads for a tensor-parallel worker (ranks share one machine's cores); 0 = leave as is."""
     progress: bool = False
     """Show a progress bar while compiling buckets."""
+    offload: str = "none"
+    """Where decoder layers that do not fit `weight_memory` stream from: "none" (all resident), "cpu"
+    (host memory) or "disk" (a file); see `fastgen.executor.offload`."""
+    weight_memory: int = 0
+    """Device bytes for this rank's weights under offload (resident layers plus streaming buffers)."""
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V of all layers for one block, on this tensor-parallel rank."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    kv_heads = config.parallel.kv_heads(config.num_kv_heads)
-    return 2 * config.num_layers * block_size * kv_heads * config.head_dim * itemsize
+    return block_size * config.kv_bytes_per_token(dtype)
 
 
 def load_for_spec(spec: RunnerSpec, device: torch.device, parallel: TensorParallel = SINGLE,
                   progress: bool = False) -> LoadedModel:
-    """The model `spec` describes, loaded onto `device` (this rank's shard under `parallel`)."""
-    return load_model(spec.model_dir, dtype=spec.dtype, device=device, progress=progress, parallel=parallel,
-                      quantization=spec.quantization, quantization_group_size=spec.quantization_group_size)
+    """The model `spec` describes, loaded onto `device` (this rank's shard under `parallel`); with
+    offload each decoder layer moves to the streamer's source as soon as it is loaded."""
+    streamer = new_streamer(spec, device)
+    loaded = load_model(spec.model_dir, dtype=spec.dtype, device=device, progress=progress, parallel=parallel,
+                        quantization=spec.quantization, quantization_group_size=spec.quantization_group_size,
+                        on_layer_loaded=streamer and streamer.adopt)
+    if streamer is not None:
+        setattr(loaded.model, STREAMER_ATTR, streamer)  # for install_offload in ModelRunner
+    return loaded
 
 
 class ModelRunner:
@@ -99,10 +112,12 @@ class ModelRunner:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, not {device.type}")
-        if (compile != "off" or cuda_graphs) and not buckets:
-            raise ValueError("compile and cuda_graphs need a bucket list (static shapes)")
+        if cuda_graphs and not buckets:
+            raise ValueError("cuda_graphs need a bucket list (each bucket is one captured static shape)")
         self.attention_backend = attention_backend
         self.model = model
+        self.offload = install_offload(model, spec, device)
+        """The `WeightStreamer` of a model whose layers stream from offload (None: all resident)."""
         self.config = config
         self.block_size = block_size
         self.device = device
@@ -121,74 +136,109 @@ class ModelRunner:
         if self.buckets:
             max_blocks_per_seq = -(-max_model_len // block_size)
             self.buffers = StaticBuffers(self.buckets[-1], min(self.buckets[-1], max_seqs), max_blocks_per_seq, device)
-        self._compiled = None
-        if compile != "off":
-            # One code object serves every bucket; each bucket is one static-shape specialisation.
-            mode = "max-autotune-no-cudagraphs" if compile == "max-autotune" else None
-            self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, mode=mode)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warmup_seconds: dict[int, float] = {}
         self._recompile_limit = 0
+        if compile != "off":
+            self._compile_layers(compile)
         if compile != "off" or cuda_graphs:
-            # Dynamo counts specialisations per code object, and every runner in this process
-            # (earlier pipelines of a notebook, other tests) shares `_forward`'s, so their entries
-            # count too. Counted once here, not per step. Imported here: torch._dynamo costs ~1.3 s
-            # of import time that a compile-off start-up never needs.
-            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-            others = len(_debug_get_cache_entry_list(ModelRunner._forward.__code__))
-            self._recompile_limit = others + len(self.buckets) + 8
             self._warm_up(progress)
+
+    def _compile_layers(self, compile: str) -> None:
+        """Regional compilation: each decoder layer runs through one compiled graph.
+
+        With `inline_inbuilt_nn_modules` (torch's default) a layer's parameters are graph inputs, so
+        the layers of a model share one graph per shape: Dynamo traces one layer, not the whole
+        model, and Inductor compiles it once (its FX-graph cache then serves the next start). Without
+        buckets every dimension of the step is symbolic, size-oblivious (a 1 is not special) and not
+        duck-sized (two sizes that happen to match are not assumed equal), so one graph serves every
+        step size; with buckets (CUDA graphs) each bucket is one static specialisation. Embedding,
+        final norm and logits stay eager: a few ops per step.
+        """
+        # Imported here: torch._dynamo costs ~1.3 s of import time that a compile-off start-up never needs.
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        mode = "max-autotune-no-cudagraphs" if compile == "max-autotune" else None
+        layers = decoder_layers(self.model)
+        for layer in layers:
+            if self.offload is None:
+                layer.compile(fullgraph=True, dynamic=not self.buckets, mode=mode)
+            else:  # Module.compile would trace the offload hooks too: compile only the layer's own forward
+                layer.forward = torch.compile(layer.forward, fullgraph=True, dynamic=not self.buckets, mode=mode)
+        # Dynamo counts specialisations per code object (`Module._call_impl`, shared by every compiled
+        # module of this process: earlier pipelines of a notebook, other tests); the layer kinds of
+        # this model (sliding/global, dense/MoE) each need one per shape.
+        codes = {nn.Module._call_impl.__code__} if self.offload is None else {type(l).forward.__code__ for l in layers}
+        others = sum(len(_debug_get_cache_entry_list(code)) for code in codes)
+        kinds = len({type(layer) for layer in layers}) * 4
+        self._recompile_limit = others + kinds * max(1, len(self.buckets)) + 8
 
     def _forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         """The model step over the `StepTensors` as plain tensors (what torch.compile and CUDA graphs see)."""
         step = StepTensors(*tensors)
         return self.model(step.input_ids, step.positions, step.metadata(self.attention_backend), self.kv_caches)
 
-    def _recompile_budget(self):
-        """Dynamo's recompile limit, raised for this call only: every bucket is one specialisation."""
+    def _compile_context(self):
+        """Dynamo settings for one step: the recompile limit raised (every bucket and layer kind is one
+        specialisation) and, for symbolic shapes, size-oblivious sizes (no 0/1 specialisation)."""
+        if self.compile_mode == "off":
+            return contextlib.nullcontext()
+        import torch._dynamo
+        import torch.fx.experimental._config as fx_config
+
         limit = self._recompile_limit
-        return torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit))
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch._dynamo.config.patch(recompile_limit=limit,
+                                                       accumulated_recompile_limit=max(256, 4 * limit)))
+        dynamic = not self.buckets
+        stack.enter_context(fx_config.patch(backed_size_oblivious=dynamic, use_duck_shape=not dynamic))
+        return stack
 
     @torch.inference_mode()
     def _warm_up(self, progress: bool) -> None:
-        """Compile (and capture) every bucket now, largest first, so serving never compiles."""
+        """Compile (and capture) every shape serving will see now, so serving never compiles: each
+        bucket, largest first; without buckets, two all-padding steps of different sizes (the first
+        traces the symbolic graph, the second proves it serves another size)."""
         what = "compiling + capturing" if self.cuda_graphs else "compiling"
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        for bucket in tqdm(sorted(self.buckets, reverse=True), desc=f"{what} buckets", unit="bucket",
-                           disable=not progress):
+        sizes = sorted(self.buckets, reverse=True) or [5, 1]
+        for size in tqdm(sizes, desc=f"{what} {'buckets' if self.buckets else 'the decoder layer'}",
+                         unit="shape", disable=not progress):
             start = time.perf_counter()
-            self.buffers.fill(None, bucket)
-            views = self.buffers.views(bucket)
-            step = self._compiled or self._forward
-            with self._recompile_budget():
-                step(*views)
+            if self.buckets:
+                self.buffers.fill(None, size)
+                views = self.buffers.views(size)
+            else:
+                views = HostStepInputs.padding(size, (size + 1) // 2).to_device(self.device)
+            with self._compile_context():
+                self._forward(*views)
             if self.cuda_graphs:
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool), self._recompile_budget():
-                    out = step(*views)
-                self._graphs[bucket] = (graph, out)
-            self.warmup_seconds[bucket] = time.perf_counter() - start
-            logger.info("fastgen: bucket %d tokens ready in %.2f s (%s)", bucket, self.warmup_seconds[bucket], what)
+                with torch.cuda.graph(graph, pool=pool), self._compile_context():
+                    out = self._forward(*views)
+                self._graphs[size] = (graph, out)
+            self.warmup_seconds[size] = time.perf_counter() - start
+            logger.info("fastgen: %d-token step ready in %.2f s (%s)", size, self.warmup_seconds[size], what)
 
     @torch.inference_mode()
     def execute(self, host: HostStepInputs) -> torch.Tensor | None:
         """Run one step (the engine's scheduled chunks, flattened); fp32 logits `[N, vocab]` of the rows
         in `host.logits_indices`, in order (None on tensor-parallel ranks other than 0)."""
         bucket = pick_bucket(self.buckets, host.num_tokens) if self.buckets else None
-        if bucket is None:
-            hidden = self._forward(*host.to_device(self.device))
-        else:
+        if bucket is not None and bucket in self._graphs:
             self.buffers.fill(host, bucket)
-            if bucket in self._graphs:
-                graph, out = self._graphs[bucket]
-                graph.replay()
-                hidden = out
-            elif self._compiled is not None:
-                with self._recompile_budget():
-                    hidden = self._compiled(*self.buffers.views(bucket))
+            graph, hidden = self._graphs[bucket]
+            graph.replay()
+        else:
+            if bucket is None:
+                tensors = host.to_device(self.device)
             else:
-                hidden = self._forward(*self.buffers.views(bucket))
+                self.buffers.fill(host, bucket)
+                tensors = self.buffers.views(bucket)
+            # A step larger than every bucket runs eagerly rather than compile a shape mid-serving.
+            eager = bucket is None and self.buckets and self.compile_mode != "off"
+            with torch.compiler.set_stance("force_eager") if eager else self._compile_context():
+                hidden = self._forward(*tensors)
         logits_indices = torch.tensor(host.logits_indices, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[logits_indices])

@@ -110,6 +110,16 @@ class HostStepInputs:
         """A step with no tokens yet (`query_start_loc` holds its leading 0)."""
         return cls([], [], [], [], [], [0], [], [])
 
+    @classmethod
+    def padding(cls, num_tokens: int, num_seqs: int) -> HostStepInputs:
+        """An all-padding step of `num_tokens` tokens in `num_seqs` sequence rows (`STEP_FIELDS`' pad
+        values; the tokens all fall in the first row, whose seq_len 0 every backend skips): what
+        compiles a shape without touching the KV cache."""
+        pads = {name: spec.pad for name, spec in STEP_FIELDS.items()}
+        tokens = {name: [pad] * num_tokens for name, pad in pads.items() if STEP_FIELDS[name].rows == "tokens"}
+        return cls(**tokens, block_tables=[[0]] * num_seqs, seq_lens=[0] * num_seqs,
+                   query_start_loc=[0] + [num_tokens] * num_seqs, logits_indices=[])
+
     @property
     def num_tokens(self) -> int:
         """T."""

@@ -20,6 +20,7 @@ from fastgen.models.quant import INT4_GROUP_SIZES, QUANTIZATIONS
 
 ATTENTION_BACKENDS = ("triton", "torch")
 COMPILE_MODES = ("off", "default", "max-autotune")
+OFFLOAD_MODES = ("none", "cpu", "disk")
 
 
 def _check_choice(allowed: tuple[str, ...]) -> Callable[[str, Any], Any]:
@@ -127,13 +128,15 @@ class Plan:
         'paged attention implementation: "triton" or "torch" ("auto" = the policy)', "str | None", str,
         _check_choice(ATTENTION_BACKENDS))
     compile: str = plan_field(
-        'torch.compile of the step per bucket: "off", "default" or "max-autotune" (the environment variable '
+        'torch.compile of each decoder layer (regional: one graph the layers share): "off", "default" or '
+        '"max-autotune" (the environment variable '
         "FASTGEN_COMPILE, when set, is the default instead of the policy's choice)", "str | None", str,
         _check_choice(COMPILE_MODES))
     cuda_graphs: bool = plan_field(
         "capture each bucket once as a CUDA graph and replay it (CUDA only)", "bool | None", parse_bool, _check_bool)
     buckets: tuple[int, ...] = plan_field(
-        "token counts a step is padded to (each compiled and captured once), ascending",
+        "token counts a step is padded to (each compiled and captured once), ascending; empty (the CPU "
+        "plan's choice): exact step sizes under one symbolic-shape compile",
         "tuple[int, ...] | None", parse_ints, _check_buckets)
     token_budget: int = plan_field(
         "tokens computed per step (Dynamic SplitFuse; FastGen's max_ragged_batch_size)", "int | None", int,
@@ -145,6 +148,15 @@ class Plan:
     kv_cache_memory: int = plan_field(
         "KV-cache size per device: bytes (int) or a fraction (float in (0, 1]) of the memory left after weights",
         "int | float | None", parse_memory, _check_memory)
+    offload: str = plan_field(
+        'where decoder layers that do not fit weight_memory stream from, one layer ahead of the compute: "none" '
+        '(every weight resident), "cpu" (host memory; pinned on a GPU) or "disk" (a file written at load). The '
+        "policy offloads only when the weights and the minimum KV cache do not fit", "str | None", str,
+        _check_choice(OFFLOAD_MODES))
+    weight_memory: int = plan_field(
+        "device memory for weights with offload: bytes (int) or a fraction (float in (0, 1]) of this rank's "
+        "weights; the embeddings, LM head and as many layers as fit stay resident, with two layer buffers to "
+        "stream the rest through", "int | float | None", parse_memory, _check_memory)
     tensor_parallel: int = plan_field(
         "ranks each replica's weights and KV cache are split over (one per GPU; on a CPU they share the cores; "
         "WORLD_SIZE under torchrun)", "int | None", int, _check_positive_int)
@@ -220,10 +232,10 @@ def _format_value(name: str, value: Any) -> str:
     """A plan value as the table shows it (long bucket lists shortened)."""
     if name == "dtype":
         return dtype_name(value)
-    if name == "kv_cache_memory":
+    if name in ("kv_cache_memory", "weight_memory"):
         return format_bytes(value)
     if name == "buckets" and len(value) > 10:
         return f"{','.join(map(str, value[:5]))},...,{','.join(map(str, value[-3:]))} ({len(value)})"
     if name == "buckets":
-        return ",".join(map(str, value))
+        return ",".join(map(str, value)) or "none"
     return str(value)

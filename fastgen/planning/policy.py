@@ -2,8 +2,9 @@
 
 MII chose silently; fastgen chooses and says why. Every choice carries a one-line reason that
 quotes the figure it rests on, and every choice can be overridden by the engine keyword of the
-same name. The figures come from REFERENCE.md (FastGen's defaults, this CPU's and the H200's
-measured rates) and from measurements quoted where they are used.
+same name. The figures are FastGen's published defaults, rates measured on the CPU and GPU
+machines fastgen is developed on (quoted beside each constant), and measurements quoted where they
+are used.
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from fastgen.planning.memory import (CPU_KV_RAM_FRACTION, GPU_MEMORY_FRACTION, a
                                      check_fits, choose_group_size, choose_quantization, divides_heads, gpu_need,
                                      kv_room, tp_candidates, usable_gpu_bytes, weights_label)
 from fastgen.planning.model_facts import ModelFacts, model_facts
+from fastgen.planning.offload_plan import OFFLOAD_MAX_TOKEN_BUDGET, OffloadChoice, choose_offload
 from fastgen.planning.plan import PLAN_FIELDS, Plan, dtype_name, format_bytes, format_count, normalise_overrides
 
 FASTGEN_TOKEN_BUDGET = 768  # FastGen's max_ragged_batch_size
 FASTGEN_MAX_SEQS = 512  # FastGen's max_ragged_sequence_count
 # Matmul GFLOP/s per core of an AVX-512-BF16 CPU without AVX512-FP16: 410 bf16, 185 fp32, 3 fp16 on 2 cores
-# (REFERENCE.md section 3). Hosts with AMX-BF16 run bf16 faster; these are their lower bounds.
+# (measured with torch matmuls on the 2-core development hosts). Hosts with AMX-BF16 run bf16 faster; these
+# are their lower bounds.
 CPU_GFLOPS_PER_CORE = {"bfloat16": 205.0, "float32": 92.5, "float16": 1.5}
-# Batch-1 decode streams weights at ~22-25 GB/s on 2 cores of this CPU class (REFERENCE.md section 3); like
+# Batch-1 decode streams weights at ~22-25 GB/s on 2 cores of this CPU class (measured: weight bytes x tok/s); like
 # the matmul rate, taken to scale with cores, so the ratio of the two (what the budget floor rests on) does not.
 CPU_WEIGHT_STREAM_GBPS_PER_CORE = 11.5
 # FastGen's SLA tiers ask >= 2, 4 or 6 tokens/s per stream: a full step must stay under 0.5 s.
@@ -34,7 +37,7 @@ CPU_STEP_TARGET_S = 0.5
 # Every step streams all weights once; the budget keeps that under 10% of a step's matmul time.
 CPU_STREAM_SHARE = 0.1
 A100_BF16_TFLOPS = 312.0  # the GPU FastGen's 768-token budget was tuned on (dense bf16 spec)
-H200_BF16_TFLOPS = 790.0  # measured on the H200 (REFERENCE.md section 3)
+H200_BF16_TFLOPS = 790.0  # measured on an H200: 8192^3 bf16 torch matmuls, random data
 # A 768-token fp32 step of 30M params takes 0.25 s on this CPU; below that, precision costs no time.
 TINY_FP32_PARAMS = 30_000_000
 
@@ -76,16 +79,18 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
     if compile_mode == "off" and not graphs and "buckets" not in user:
         reasons["buckets"] += "; unused while compile is off and there are no CUDA graphs (steps run at exact shapes)"
     block_size = pick("block_size", lambda: _choose_block_size(model))
-    if buckets[-1] > budget:
+    if buckets and buckets[-1] > budget:
         raise ValueError(f"token_budget {budget} is smaller than the largest bucket {buckets[-1]}: that bucket could never fill")
     if max_seqs > budget:
         raise ValueError(f"max_seqs {max_seqs} exceeds token_budget {budget}: each scheduled sequence needs a token")
     tps = [user["tensor_parallel"]] if "tensor_parallel" in user else tp_candidates(model, hardware)
     group = user.get("quantization_group_size", DEFAULT_GROUP_SIZE)
-    quant = pick("quantization", lambda: choose_quantization(model, hardware, dtype, group, tps, reserve, block_size))
+    quant = pick("quantization", lambda: _quantize_or_stream(model, hardware, dtype, group, tps, reserve, block_size,
+                                                             user))
     weights, label = model.weight_bytes(dtype, quant, group), weights_label(dtype, quant)
-    tp = pick("tensor_parallel", lambda: _choose_tensor_parallel(model, hardware, weights, label, reserve))
-    if "tensor_parallel" in user:
+    tp = pick("tensor_parallel", lambda: _choose_tensor_parallel_or_stream(model, hardware, weights, label, reserve,
+                                                                           user))
+    if "tensor_parallel" in user and user.get("offload") == "none":
         check_fits(hardware, weights, label, tp, reserve(tp))
     group = pick("quantization_group_size", lambda: choose_group_size(model, quant, tp))
     weights = model.weight_bytes(dtype, quant, group)
@@ -93,16 +98,99 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
     if not cpu and tp * replicas > hardware.gpu_count * hardware.nodes:
         raise ValueError(f"tensor_parallel {tp} x replica_num {replicas} needs {tp * replicas} GPUs; "
                          f"this machine has {hardware.gpu_count}")
-    room = kv_room(hardware, weights, tp, reserve(tp))
+    stream = _choose_offload(model, hardware, dtype, quant, group, tp, reserve(tp), block_size, user)
+    if stream.hide_tokens > budget and "token_budget" not in user:
+        raised = min(OFFLOAD_MAX_TOKEN_BUDGET, 1 << (stream.hide_tokens - 1).bit_length())
+        if raised > budget:
+            reasons["token_budget"] += (f"; raised to {raised} for offload: each step streams "
+                                        f"{format_bytes(stream.bytes_per_step)}, which compute hides from "
+                                        f"~{stream.hide_tokens} tokens per step")
+            budget = raised
+            if "max_seqs" not in user:
+                max_seqs = min(FASTGEN_MAX_SEQS, budget)
+            if "buckets" not in user:
+                buckets, reasons["buckets"] = _choose_buckets(hardware, budget)
+            stream = _choose_offload(model, hardware, dtype, quant, group, tp, reserve(tp), block_size, user)
+    reasons["offload"] = "set by the user" if "offload" in user else stream.offload_reason
+    reasons["weight_memory"] = stream.weight_memory_reason
+    if stream.offload != "none" and graphs:
+        graphs = _without_graphs_for_offload(user, stream.offload, reasons)
+        if compile_mode == "off" and buckets and "buckets" not in user and "unused" not in reasons["buckets"]:
+            reasons["buckets"] += "; unused while compile is off and there are no CUDA graphs (steps run at exact shapes)"
+    # With offload only weight_memory stays on the device; a "cpu" source on a CPU takes RAM besides.
+    resident = weights if stream.offload == "none" else stream.weight_memory * tp
+    room = kv_room(hardware, resident + (stream.host_bytes if cpu else 0), tp, reserve(tp))
     kv = _choose_kv_memory(model, hardware, dtype, tp, room, max_seqs, block_size, user.get("kv_cache_memory"))
     reasons["kv_cache_memory"] = kv[1]
     reasons = {name: reasons[name] for name in PLAN_FIELDS}
     return Plan(dtype=dtype, quantization=quant, quantization_group_size=group, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
                 buckets=tuple(buckets), token_budget=budget, max_seqs=max_seqs, block_size=block_size,
-                kv_cache_memory=kv[0], tensor_parallel=tp, replica_num=replicas, reasons=reasons)
+                kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory, tensor_parallel=tp,
+                replica_num=replicas, reasons=reasons)
 
 
 # Decisions ------------------------------------------------------------------------------------
+
+
+def _streams(user: dict[str, Any]) -> bool:
+    """Whether the user asked for weight offload (a source, or a weight budget without offload='none')."""
+    budget = user.get("weight_memory")
+    return user.get("offload") in ("cpu", "disk") or (budget not in (None, 1.0) and user.get("offload") != "none")
+
+
+def _quantize_or_stream(model: ModelFacts, hw: Hardware, dtype: torch.dtype, group: int, tps: list[int],
+                        reserve: Callable[[int], int], block_size: int, user: dict[str, Any]) -> tuple[str, str]:
+    """Quantization's choice, unless offload makes the weights fit anyway: offload streams them unchanged,
+    so it comes before quantization when asked for, and after it (not even int4 fits) when not."""
+    why = ("quantization changes outputs, so only on request (int8/int4 would also shrink the bytes streamed "
+           "per step)")
+    if _streams(user):
+        return "none", f"offload is set: the weights need not fit the device; {why}"
+    try:
+        return choose_quantization(model, hw, dtype, group, tps, reserve, block_size)
+    except ValueError:
+        if user.get("offload") == "none":
+            raise
+        int4 = format_bytes(model.weight_bytes(dtype, "int4", group))
+        return "none", f"not even int4 weights ({int4}) fit with the minimum KV cache: offload streams them; {why}"
+
+
+def _choose_tensor_parallel_or_stream(model: ModelFacts, hw: Hardware, weights: int, label: str,
+                                      reserve: Callable[[int], int], user: dict[str, Any]) -> tuple[int, str]:
+    """The smallest TP that fits; when none does and offload may stream, every GPU that splits the heads
+    (each rank streams its 1/TP shard)."""
+    try:
+        return _choose_tensor_parallel(model, hw, weights, label, reserve)
+    except ValueError:
+        if user.get("offload") == "none":
+            raise
+    tp = tp_candidates(model, hw)[-1]
+    if hw.device_type == "cpu":
+        return tp, f"one process already spreads each matmul over all {hw.cpu_cores} cores; the weights stream (offload)"
+    return tp, (f"{format_bytes(weights)} of {label} weights fit no tensor-parallel size: TP={tp} (the most GPUs that "
+                f"split {model.num_heads} heads) and each rank streams its shard (offload)")
+
+
+def _choose_offload(model: ModelFacts, hw: Hardware, dtype: torch.dtype, quant: str, group: int, tp: int,
+                    reserve: int, block_size: int, user: dict[str, Any]) -> OffloadChoice:
+    """`choose_offload` with this device's matmul and host-copy rates."""
+    if hw.device_type == "cpu":
+        flops = _cpu_gflops(hw, dtype_name(dtype)) * 1e9
+    else:
+        cc = min(g.compute_capability for g in hw.gpus)
+        flops = (H200_BF16_TFLOPS if cc >= (9, 0) else A100_BF16_TFLOPS) * 1e12
+    return choose_offload(model, hw, dtype, quant, group, tp, reserve, block_size, flops,
+                          CPU_WEIGHT_STREAM_GBPS_PER_CORE * hw.cpu_cores, user)
+
+
+def _without_graphs_for_offload(user: dict[str, Any], offload: str, reasons: dict[str, str]) -> bool:
+    """No CUDA graphs under offload (False, with the reason); the user's cuda_graphs=True is a ValueError."""
+    if user.get("cuda_graphs"):
+        raise ValueError(f"offload={offload!r} needs cuda_graphs=False: layers stream between the layers' compute "
+                         "(host waits, events, a copy thread), which a captured graph cannot contain")
+    reasons["cuda_graphs"] = (f"off: offload={offload!r} streams weights between the layers' compute (host waits, "
+                              "events, a copy thread), which a captured graph cannot replay; each layer still compiles")
+    return False
 
 
 def _choose_dtype(model: ModelFacts, hw: Hardware) -> tuple[torch.dtype, str]:
@@ -217,12 +305,11 @@ def _choose_token_budget(model: ModelFacts, hw: Hardware, dtype: torch.dtype) ->
 
 
 def _choose_buckets(hw: Hardware, budget: int) -> tuple[tuple[int, ...], str]:
-    """CPU: powers of two (each shape is a compile); GPU: vLLM's capture sizes, then powers of two."""
+    """CPU: none (one symbolic-shape compile serves every step); GPU: vLLM's capture sizes, then powers of two."""
     powers = [1 << i for i in range(budget.bit_length()) if 1 << i <= budget]
     if hw.device_type == "cpu":
-        sizes = sorted(set(powers) | {budget})
-        return tuple(sizes), (f"powers of two and the budget: {len(sizes)} shapes at ~1 s of Inductor compile each "
-                              "(warm cache), padding < 2x")
+        return (), ("none on a CPU: with no CUDA graph to capture, a bucket only pays for padding; steps run at "
+                    "their exact size and the decoder layer compiles once, with symbolic token and sequence counts")
     vllm = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
     sizes = sorted({s for s in vllm if s <= budget} | {p for p in powers if p > 512} | {budget})
     return tuple(sizes), (f"vLLM's capture sizes (pad <= 7 tokens to 256, <= 15 to 512), then powers of two and "
