@@ -78,8 +78,8 @@ class BlockManager:
     """Host-side allocator of KV-cache blocks with reference counts and prefix caching.
 
     Allocation takes truly free blocks first (the most recently freed first), then evicts cached
-    unreferenced blocks, least recently freed or matched first. Blocks of a freed sequence enter the LRU order tail first, so
-    the shared heads of prefixes outlive their tails.
+    unreferenced blocks, least recently freed or matched first. Blocks of a freed sequence enter the
+    LRU order tail first, so the shared heads of prefixes outlive their tails.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
