@@ -129,8 +129,8 @@ class Plan:
         _check_choice(ATTENTION_BACKENDS))
     compile: str = plan_field(
         'torch.compile of each decoder layer (regional: one graph the layers share): "off", "default" or '
-        '"max-autotune" (the environment variable '
-        "FASTGEN_COMPILE, when set, is the default instead of the policy's choice)", "str | None", str,
+        '"max-autotune" (the environment variable FASTGEN_COMPILE, when set, is the default instead of the '
+        "policy's choice)", "str | None", str,
         _check_choice(COMPILE_MODES))
     cuda_graphs: bool = plan_field(
         "capture each bucket once as a CUDA graph and replay it (CUDA only)", "bool | None", parse_bool, _check_bool)
