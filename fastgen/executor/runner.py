@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from fastgen.models.config import ModelConfig
 from fastgen.models.layers import decoder_layers
 from fastgen.models.loader import LoadedModel, load_model
+from fastgen.models.packed import prepack_linears
 from fastgen.models.parallel import SINGLE, TensorParallel
 from fastgen.executor.offload import STREAMER_ATTR, install_offload, new_streamer
 from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, StepTensors, pick_bucket
@@ -75,6 +76,9 @@ class RunnerSpec:
     (host memory) or "disk" (a file); see `fastgen.executor.offload`."""
     weight_memory: int = 0
     """Device bytes for this rank's weights under offload (resident layers plus streaming buffers)."""
+    weight_prepack: bool = False
+    """Replace the decoder layers' plain linears and the LM head by oneDNN-packed ones (`fastgen.models.packed`;
+    CPU)."""
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -116,6 +120,8 @@ class ModelRunner:
             raise ValueError("cuda_graphs need a bucket list (each bucket is one captured static shape)")
         self.attention_backend = attention_backend
         self.model = model
+        if spec.weight_prepack:
+            prepack_linears(model)
         self.offload = install_offload(model, spec, device)
         """The `WeightStreamer` of a model whose layers stream from offload (None: all resident)."""
         self.config = config

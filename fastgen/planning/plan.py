@@ -157,6 +157,9 @@ class Plan:
         "device memory for weights with offload: bytes (int) or a fraction (float in (0, 1]) of this rank's "
         "weights; the embeddings, LM head and as many layers as fit stay resident, with two layer buffers to "
         "stream the rest through", "int | float | None", parse_memory, _check_memory)
+    weight_prepack: bool = plan_field(
+        "store the decoder layers' linear weights in oneDNN's blocked layout and multiply through its kernels "
+        "(CPU only; not with quantization or offload)", "bool | None", parse_bool, _check_bool)
     tensor_parallel: int = plan_field(
         "ranks each replica's weights and KV cache are split over (one per GPU; on a CPU they share the cores; "
         "WORLD_SIZE under torchrun)", "int | None", int, _check_positive_int)

@@ -112,6 +112,14 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
                 buckets, reasons["buckets"] = _choose_buckets(hardware, budget)
             stream = _choose_offload(model, hardware, dtype, quant, group, tp, reserve(tp), block_size, user)
     reasons["offload"] = "set by the user" if "offload" in user else stream.offload_reason
+    prepack = pick("weight_prepack", lambda: _choose_weight_prepack(hardware, dtype, quant, stream.offload))
+    if prepack:
+        _check_prepack(hardware, dtype, quant, stream.offload)
+        if model.config.tie_word_embeddings:
+            # The packed LM head is a copy beside the embedding it was tied to.
+            copy = -(-model.vocab_size // tp) * model.hidden_size * torch.empty((), dtype=dtype).element_size()
+            weights += copy
+            reasons["weight_prepack"] += f"; the tied LM head's packed copy takes {format_bytes(copy)} more"
     reasons["weight_memory"] = stream.weight_memory_reason
     if stream.offload != "none" and graphs:
         graphs = _without_graphs_for_offload(user, stream.offload, reasons)
@@ -125,7 +133,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
     reasons = {name: reasons[name] for name in PLAN_FIELDS}
     return Plan(dtype=dtype, quantization=quant, quantization_group_size=group, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
                 buckets=tuple(buckets), token_budget=budget, max_seqs=max_seqs, block_size=block_size,
-                kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory, tensor_parallel=tp,
+                kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory, weight_prepack=prepack,
+                tensor_parallel=tp,
                 replica_num=replicas, reasons=reasons)
 
 
@@ -255,6 +264,39 @@ def _choose_compile(model: ModelFacts, hw: Hardware) -> tuple[str, str]:
                            "(seconds each, cached on disk by Inductor for the next start)")
     return "default", ("Inductor fuses norms, rotary, residual adds and the MLP; max-autotune benchmarks GEMM "
                        "configs per bucket (minutes of start-up), so only when asked")
+
+
+def _prepack_blocker(hw: Hardware, dtype: torch.dtype, quant: str, offload: str) -> str | None:
+    """Why weight prepacking cannot apply here (None: it can)."""
+    if hw.device_type != "cpu":
+        return "oneDNN's packed linear is a CPU kernel"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"oneDNN's packed linear takes fp32 or bf16 weights, not {dtype_name(dtype)}"
+    if dtype == torch.bfloat16 and not {"avx512_bf16", "amx_bf16"} & hw.cpu_flags:
+        return "oneDNN packs bf16 weights only on CPUs with AVX512-BF16 or AMX (this one emulates bf16 matmuls)"
+    if quant != "none":
+        return f"the {quant} linears run their own packed kernels"
+    if offload != "none":
+        return "offload streams the layers' plain weights"
+    return None
+
+
+def _choose_weight_prepack(hw: Hardware, dtype: torch.dtype, quant: str, offload: str) -> tuple[bool, str]:
+    """On for CPU fp32, and for bf16 where the CPU has bf16 instructions (oneDNN's native bf16 path)."""
+    blocker = _prepack_blocker(hw, dtype, quant, offload)
+    if blocker is not None:
+        return False, blocker
+    return True, ("oneDNN multiplies a weight reordered once at load instead of re-blocking it every call: 1.2-1.9x "
+                  "MKL's F.linear at 8-512 rows (2-core EPYC, fp32)")
+
+
+def _check_prepack(hw: Hardware, dtype: torch.dtype, quant: str, offload: str) -> None:
+    """ValueError when weight_prepack=True cannot be honoured."""
+    blocker = _prepack_blocker(hw, dtype, quant, offload)
+    if blocker is not None:
+        raise ValueError(f"weight_prepack=True cannot apply: {blocker}")
 
 
 def _choose_cuda_graphs(hw: Hardware) -> tuple[bool, str]:
