@@ -167,6 +167,26 @@ def test_long_decode_chain_over_many_blocks():
         h.step([(a, 1), (b, 1)], pad_tokens=2, pad_rows=2)
 
 
+def test_decode_rows_split_into_many_groups(monkeypatch):
+    """A small per-call cap splits one step's decode rows into several batched calls (rows sorted by
+    length, each call padded to its longest row): the answer is still the oracle's."""
+    import sys
+
+    module = sys.modules["fastgen.ops.paged_attention"]
+    calls = []
+    attend = module._attend_decode_rows
+    monkeypatch.setattr(module, "_attend_decode_rows", lambda *a: calls.append(1) or attend(*a))
+    # K of about 40 tokens per call: 2 kv heads x 32 dims x 4 bytes each.
+    monkeypatch.setattr(module, "_DECODE_BATCH_BYTES", 40 * 2 * 32 * 4)
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, num_blocks=128, seed=5)
+    seqs = [_Seq() for _ in range(8)]
+    h.step([(s, n) for s, n in zip(seqs, [3, 17, 9, 30, 12, 5, 24, 2])])
+    for _ in range(3):
+        calls.clear()
+        h.step([(s, 1) for s in seqs], pad_tokens=1, pad_rows=1)
+        assert len(calls) >= 3
+
+
 # The Triton kernel, under the interpreter ---------------------------------------------------------
 
 # (name, harness keywords, batch kind, pad tokens, pad rows): small shapes, the interpreter is slow.

@@ -116,8 +116,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
     if prepack:
         _check_prepack(hardware, dtype, quant, stream.offload)
         if model.config.tie_word_embeddings:
-            # The packed LM head is a copy beside the embedding it was tied to.
-            copy = -(-model.vocab_size // tp) * model.hidden_size * torch.empty((), dtype=dtype).element_size()
+            # The packed LM head (each rank's vocabulary rows) is a copy beside the embedding it was tied to.
+            copy = model.vocab_size * model.hidden_size * torch.empty((), dtype=dtype).element_size()
             weights += copy
             reasons["weight_prepack"] += f"; the tied LM head's packed copy takes {format_bytes(copy)} more"
     reasons["weight_memory"] = stream.weight_memory_reason
@@ -133,9 +133,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
     reasons = {name: reasons[name] for name in PLAN_FIELDS}
     return Plan(dtype=dtype, quantization=quant, quantization_group_size=group, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
                 buckets=tuple(buckets), token_budget=budget, max_seqs=max_seqs, block_size=block_size,
-                kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory, weight_prepack=prepack,
-                tensor_parallel=tp,
-                replica_num=replicas, reasons=reasons)
+                kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory,
+                weight_prepack=prepack, tensor_parallel=tp, replica_num=replicas, reasons=reasons)
 
 
 # Decisions ------------------------------------------------------------------------------------
