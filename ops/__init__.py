@@ -1,4 +1,5 @@
-"""Hand-written operations: paged attention over the blocked KV cache and the KV-cache write."""
+"""Hand-written operations: paged attention over the blocked KV cache, the KV-cache write, and the CPU linear
+over oneDNN-prepacked weights (`fastgen.ops.packed_linear`)."""
 
 from fastgen.ops.attention_metadata import AttentionMetadata
 from fastgen.ops.paged_attention import (
