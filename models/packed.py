@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastgen.models.parallel import SINGLE, ParallelLMHead, RowParallelLinear, all_reduce, gather_last_dim_to_first
+from fastgen.models.parallel import SINGLE, ParallelLMHead, RowParallelLinear, all_reduce
 from fastgen.models.quant import quantizable_linears
 from fastgen.ops.packed_linear import pack_linear_weight, packed_linear
 
@@ -65,13 +65,8 @@ class PackedLMHead(nn.Module):
         """This rank's vocabulary rows of the logits, in the hidden dtype (what `nn.Linear` returns)."""
         return packed_linear(hidden, self.packed_weight, None, self.out_features)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """fp32 logits `[N, vocab]` on rank 0 (other ranks send their slice and get None)."""
-        rows = self(hidden)
-        if self.tp.size == 1:
-            return rows.float()
-        full = gather_last_dim_to_first(rows, self.tp)
-        return None if full is None else full[:, : self.vocab_size].float()
+    # The head's own gather-to-rank-0 and fp32 cast, over this module's `forward`.
+    logits = ParallelLMHead.logits
 
 
 @torch.no_grad()

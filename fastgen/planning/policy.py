@@ -112,9 +112,11 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
                 buckets, reasons["buckets"] = _choose_buckets(hardware, budget)
             stream = _choose_offload(model, hardware, dtype, quant, group, tp, reserve(tp), block_size, user)
     reasons["offload"] = "set by the user" if "offload" in user else stream.offload_reason
-    prepack = pick("weight_prepack", lambda: _choose_weight_prepack(hardware, dtype, quant, stream.offload))
+    blocker = _prepack_blocker(hardware, dtype, quant, stream.offload)
+    prepack = pick("weight_prepack", lambda: _choose_weight_prepack(blocker))
     if prepack:
-        _check_prepack(hardware, dtype, quant, stream.offload)
+        if blocker is not None:
+            raise ValueError(f"weight_prepack=True cannot apply: {blocker}")
         if model.config.tie_word_embeddings:
             # The packed LM head (each rank's vocabulary rows) is a copy beside the embedding it was tied to.
             copy = model.vocab_size * model.hidden_size * torch.empty((), dtype=dtype).element_size()
@@ -282,20 +284,12 @@ def _prepack_blocker(hw: Hardware, dtype: torch.dtype, quant: str, offload: str)
     return None
 
 
-def _choose_weight_prepack(hw: Hardware, dtype: torch.dtype, quant: str, offload: str) -> tuple[bool, str]:
-    """On for CPU fp32, and for bf16 where the CPU has bf16 instructions (oneDNN's native bf16 path)."""
-    blocker = _prepack_blocker(hw, dtype, quant, offload)
+def _choose_weight_prepack(blocker: str | None) -> tuple[bool, str]:
+    """On wherever nothing blocks it (`_prepack_blocker`): CPU fp32, and bf16 on CPUs with bf16 instructions."""
     if blocker is not None:
         return False, blocker
     return True, ("oneDNN multiplies a weight reordered once at load instead of re-blocking it every call: 1.2-1.9x "
                   "MKL's F.linear at 8-512 rows (2-core EPYC, fp32)")
-
-
-def _check_prepack(hw: Hardware, dtype: torch.dtype, quant: str, offload: str) -> None:
-    """ValueError when weight_prepack=True cannot be honoured."""
-    blocker = _prepack_blocker(hw, dtype, quant, offload)
-    if blocker is not None:
-        raise ValueError(f"weight_prepack=True cannot apply: {blocker}")
 
 
 def _choose_cuda_graphs(hw: Hardware) -> tuple[bool, str]:
