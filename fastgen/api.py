@@ -217,7 +217,7 @@ def pipeline(model_name_or_path: str | None = None, model_config: dict[str, Any]
 
     Keywords are `EngineConfig` fields (`dtype`, `device`, `max_length`, `token_budget`, `max_seqs`,
     `block_size`, `num_kv_blocks`, `kv_cache_memory`, `enable_prefix_caching`, `tensor_parallel`,
-    `seed`, ...) and MII's `ModelConfig` fields, as keywords or in `model_config={...}` (see
+    `seed`, `offline` (True here: steps sized for the batch's throughput), ...) and MII's `ModelConfig` fields, as keywords or in `model_config={...}` (see
     `mii_options`: each is mapped onto ours, refused with the reason, or accepted with a
     `MIICompatibilityWarning` saying why it has no effect). `all_rank_output` is MII's: True is
     refused only under a torchrun launch of several ranks, where ranks > 0 do not generate. On a
@@ -232,6 +232,8 @@ def pipeline(model_name_or_path: str | None = None, model_config: dict[str, Any]
             "pipeline() and return once rank 0 destroys its pipeline, so they have no outputs to return. Generate "
             "under `if pipe.is_rank_0:` and share the results yourself (torch.distributed.broadcast_object_list)")
     model, options = mii_options(model_name_or_path, model_config, None, config, serving=False)
+    # A pipeline call returns when its whole batch is done: plan for throughput unless told otherwise.
+    options.setdefault("offline", True)
     engine_config = EngineConfig.from_kwargs(model, **options)
     if launch is not None and launch.rank > 0:
         serve_torchrun_rank(engine_config.device)

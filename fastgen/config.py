@@ -34,6 +34,9 @@ class _EngineOptions:
     """Seed of the default generator used by unseeded sampled requests."""
     progress: bool = True
     """Show progress bars while loading weights and compiling buckets."""
+    offline: bool = False
+    """What the plan sizes steps for: False (`serve`) the streams' inter-token latency, True (`pipeline`'s
+    default) a batch's total throughput (on a CPU, larger steps; see `fastgen.planning.policy.make_plan`)."""
 
     def __post_init__(self) -> None:
         for name in ("max_length", "num_kv_blocks", "seed"):
@@ -42,7 +45,7 @@ class _EngineOptions:
                                       or value < (0 if name == "seed" else 1)):
                 raise ValueError(f"{name} must be a {'non-negative' if name == 'seed' else 'positive'} int or None, "
                                  f"got {value!r}")
-        for name in ("enable_prefix_caching", "progress"):
+        for name in ("enable_prefix_caching", "progress", "offline"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.device is not None:

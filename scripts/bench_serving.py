@@ -277,8 +277,9 @@ def in_process_closed_loop(model: str, args: argparse.Namespace, requests: list,
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
-    """The server's engine options, for the in-process comparisons."""
-    options = dict(dtype=getattr(torch, args.dtype), compile=args.compile, max_seqs=args.max_seqs)
+    """The server's engine options, for the in-process comparisons: its plan too (`offline=False`, as
+    `serve` plans), so a ratio measures serving's cost, not a different step size."""
+    options = dict(dtype=getattr(torch, args.dtype), compile=args.compile, max_seqs=args.max_seqs, offline=False)
     if args.token_budget is not None:
         options["token_budget"] = args.token_budget
     return options

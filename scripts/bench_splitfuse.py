@@ -40,7 +40,8 @@ def run_mode(path: str, args: argparse.Namespace, token_budget: int | None, voca
     concurrent_prompts = 2 + int(args.duration / args.interval)
     num_kv_blocks = -(-(args.streams + concurrent_prompts) * max_len // 16)
     options = dict(dtype=getattr(torch, args.dtype), compile=args.compile, max_seqs=args.max_seqs,
-                   max_length=max_len, num_kv_blocks=num_kv_blocks, block_size=16, progress=False)
+                   max_length=max_len, num_kv_blocks=num_kv_blocks, block_size=16, progress=False,
+                   offline=False)  # streams judged by their inter-token latency: a server's plan
     if token_budget is not None:
         options["token_budget"] = token_budget
     pipe = fastgen.pipeline(path, **options)

@@ -386,6 +386,7 @@ def test_mii_style_code_runs(path):
         plan = pipe.engine.plan
         assert (plan.token_budget, plan.max_seqs, pipe.engine.config.num_kv_blocks, pipe.engine.config.max_length) == \
             (32, 8, 64, 200)
+        assert pipe.engine.config.offline  # a pipeline plans for its batch's throughput
         response = pipe(["DeepSpeed is", "Seattle is"], max_new_tokens=5, do_sample=False)
         assert len(response) == 2
         for r in response:

@@ -189,7 +189,7 @@ def test_plan_for_this_machine(models):
 def test_two_core_bf16_cpu_plan_for_1b(models):
     plan = make_plan(models["1b"], _cpu())
     _check_consistent(plan)
-    assert plan.dtype == torch.bfloat16 and plan.compile == "default"
+    assert plan.dtype == torch.bfloat16 and plan.weight_prepack and plan.compile == "off"
     # 768 x 2 x 1.03B / 410 GFLOP/s is ~3.9 s a step; 0.5 s fits 99 tokens, but a step that small would spend
     # > 10% of its time re-streaming 2 GB of weights at ~23 GB/s: floored at 256.
     reason = plan.reasons["token_budget"]
@@ -204,6 +204,18 @@ def test_cpu_budget_scales_with_model_size(tmp_path, models):
     assert make_plan(gpt2, _cpu()).token_budget == 768
     assert make_plan(models["1b"], _cpu(cores=12)).token_budget == 512  # 0.5 s at 2460 GFLOP/s fits 594 tokens
     assert make_plan(models["7b"], _cpu()).token_budget == 256
+
+
+def test_offline_batch_keeps_fastgen_budget_on_cpu(models):
+    # A server sizes steps for inter-token latency; a pipeline batch for total throughput.
+    serving, offline = make_plan(models["1b"], _cpu()), make_plan(models["1b"], _cpu(), offline=True)
+    assert serving.token_budget == 256 and offline.token_budget == 512 and offline.max_seqs == 512
+    reason = offline.reasons["token_budget"]
+    assert "offline batch" in reason and "3.9 s" in reason and "264 with 512" in reason
+    assert make_plan(models["tiny"], _cpu(), offline=True).token_budget == 768  # never smaller than serving's
+    assert make_plan(models["1b"], _cpu(), offline=True, token_budget=64).token_budget == 64  # the user still wins
+    # GPU budgets do not depend on it.
+    assert make_plan(models["7b"], _gpus(H100), offline=True).token_budget == make_plan(models["7b"], _gpus(H100)).token_budget
 
 
 def test_tiny_fp32_checkpoint_stays_fp32_on_cpu_with_fastgen_budget(models):
@@ -399,6 +411,16 @@ def test_explain_command_line_reports_impossible_override(tmp_path, monkeypatch,
     assert "cuda_graphs=True needs a CUDA device" in capsys.readouterr().err
 
 
+def test_explain_command_line_plans_offline_on_request(tmp_path, monkeypatch):
+    import fastgen.planning.cli as cli
+
+    transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path)
+    seen = []
+    monkeypatch.setattr(cli, "explain", lambda model, **kwargs: seen.append(kwargs["offline"]))
+    assert cli.main([str(tmp_path)]) == 0 and cli.main([str(tmp_path), "--offline"]) == 0
+    assert seen == [False, True]
+
+
 def test_measured_cpu_rates_drive_the_cpu_budget(models):
     rates = measure_cpu_matmul(seconds=0.02)
     assert set(rates) == {"bfloat16", "float32", "float16"} and all(r > 0 for r in rates.values())
@@ -412,7 +434,11 @@ def test_measured_cpu_rates_drive_the_cpu_budget(models):
 def test_cpu_compiles_only_models_big_enough_to_pay_for_it(models):
     small = make_plan(models["tiny"], _cpu())
     assert small.compile == "off" and "bench_graphs" in small.reasons["compile"]
-    assert make_plan(models["1b"], _cpu()).compile == "default"
+    # Prepacked linears leave Inductor only elementwise glue: measured no gain for twice the start-up.
+    prepacked = make_plan(models["1b"], _cpu())
+    assert prepacked.weight_prepack and prepacked.compile == "off" and "weight_prepack" in prepacked.reasons["compile"]
+    assert make_plan(models["1b"], _cpu(), weight_prepack=False).compile == "default"
+    assert make_plan(models["1b"], _cpu(), quantization="int8").compile == "default"
     assert make_plan(models["tiny"], _cpu(), compile="default").compile == "default"  # the user wins
     assert make_plan(models["tiny"], _gpus(H100)).compile == "default"
 

@@ -89,7 +89,8 @@ class Engine:
         launch = torchrun_env()
         if launch is not None and overrides["tensor_parallel"] is None:
             overrides["tensor_parallel"] = launch.world_size
-        self.plan = make_plan(model_facts(model_path), detect_hardware(config.device), **overrides)
+        self.plan = make_plan(model_facts(model_path), detect_hardware(config.device), offline=config.offline,
+                              **overrides)
         plan = self.plan
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         logger.info("fastgen plan for %s on %s:\n%s", model_path, self.device, plan.table())

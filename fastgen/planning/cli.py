@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", help="checkpoint directory or cached Hugging Face id (only config.json is read)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:i (default: CUDA when available)")
     parser.add_argument("--measure", action="store_true", help="time CPU matmuls here instead of using documented rates")
+    parser.add_argument("--offline", action="store_true",
+                        help="plan an offline batch (what fastgen.pipeline plans) instead of a server (fastgen.serve)")
     for name in PLAN_FIELDS:
         flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         parser.add_argument(*flags, dest=name, type=_argument_type(name), default=None,
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {name: getattr(args, name) for name in PLAN_FIELDS if getattr(args, name) is not None}
     try:
         hardware = detect_hardware(args.device, measure=args.measure)
-        explain(args.model, hardware=hardware, **overrides)
+        explain(args.model, hardware=hardware, offline=args.offline, **overrides)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2

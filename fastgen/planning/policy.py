@@ -34,6 +34,13 @@ CPU_GFLOPS_PER_CORE = {"bfloat16": 205.0, "float32": 92.5, "float16": 1.5}
 CPU_WEIGHT_STREAM_GBPS_PER_CORE = 11.5
 # FastGen's SLA tiers ask >= 2, 4 or 6 tokens/s per stream: a full step must stay under 0.5 s.
 CPU_STEP_TARGET_S = 0.5
+# An offline batch on a CPU is judged by its total throughput: steps of a few hundred rows keep the
+# matmuls near their peak and pay the per-step, per-layer costs (attention calls, Python) fewer times,
+# although such a step outlasts the 0.5 s target. Measured with scripts/bench_peer.py (SmolLM2-135M, fp32,
+# 128 requests): larger steps than 512 gained nothing.
+CPU_OFFLINE_TOKEN_BUDGET = 512
+OFFLINE_BUDGET_EVIDENCE = ("on a 2-core EPYC SmolLM2-135M (fp32) made 190 tok/s with 128-token steps, 264 with 512, "
+                           "249 with 768 and 255 with 2048")
 # Every step streams all weights once; the budget keeps that under 10% of a step's matmul time.
 CPU_STREAM_SHARE = 0.1
 A100_BF16_TFLOPS = 312.0  # the GPU FastGen's 768-token budget was tuned on (dense bf16 spec)
@@ -42,8 +49,11 @@ H200_BF16_TFLOPS = 790.0  # measured on an H200: 8192^3 bf16 torch matmuls, rand
 TINY_FP32_PARAMS = 30_000_000
 
 
-def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
+def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, **overrides: Any) -> Plan:
     """Choose every `Plan` field for `model` on `hardware`; `overrides` (engine keywords) always win.
+
+    `offline` says what the steps are judged by: False (serving) the streams' inter-token latency,
+    True (a `pipeline` batch) the batch's total throughput; only the CPU token budget depends on it.
 
     A None override (or "auto") means "let the policy choose". An unknown keyword is a TypeError;
     an override this machine or model cannot honour is a ValueError naming the field and why.
@@ -65,9 +75,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
 
     dtype = pick("dtype", lambda: _choose_dtype(model, hardware))
     attention = pick("attention_backend", lambda: _choose_attention(hardware))
-    compile_mode = pick("compile", lambda: _choose_compile(model, hardware))
     graphs = pick("cuda_graphs", lambda: _choose_cuda_graphs(hardware))
-    budget = pick("token_budget", lambda: _choose_token_budget(model, hardware, dtype))
+    budget = pick("token_budget", lambda: _choose_token_budget(model, hardware, dtype, offline))
     floor = max(max(user.get("buckets", (0,))), user.get("max_seqs", 0))
     if "token_budget" not in user and floor > budget:
         budget = floor
@@ -76,8 +85,6 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
                                          f"FastGen's {FASTGEN_MAX_SEQS} sequences per step, at most token_budget "
                                          "(each scheduled sequence gets at least one token)"))
     buckets = pick("buckets", lambda: _choose_buckets(hardware, budget))
-    if compile_mode == "off" and not graphs and "buckets" not in user:
-        reasons["buckets"] += "; unused while compile is off and there are no CUDA graphs (steps run at exact shapes)"
     block_size = pick("block_size", lambda: _choose_block_size(model))
     if buckets and buckets[-1] > budget:
         raise ValueError(f"token_budget {budget} is smaller than the largest bucket {buckets[-1]}: that bucket could never fill")
@@ -123,10 +130,11 @@ def make_plan(model: ModelFacts, hardware: Hardware, **overrides: Any) -> Plan:
             weights += copy
             reasons["weight_prepack"] += f"; the tied LM head's packed copy takes {format_bytes(copy)} more"
     reasons["weight_memory"] = stream.weight_memory_reason
+    compile_mode = pick("compile", lambda: _choose_compile(model, hardware, prepack))
     if stream.offload != "none" and graphs:
         graphs = _without_graphs_for_offload(user, stream.offload, reasons)
-        if compile_mode == "off" and buckets and "buckets" not in user and "unused" not in reasons["buckets"]:
-            reasons["buckets"] += "; unused while compile is off and there are no CUDA graphs (steps run at exact shapes)"
+    if compile_mode == "off" and not graphs and "buckets" not in user:
+        reasons["buckets"] += "; unused while compile is off and there are no CUDA graphs (steps run at exact shapes)"
     # With offload only weight_memory stays on the device; a "cpu" source on a CPU takes RAM besides.
     resident = weights if stream.offload == "none" else stream.weight_memory * tp
     room = kv_room(hardware, resident + (stream.host_bytes if cpu else 0), tp, reserve(tp))
@@ -253,14 +261,25 @@ tokens/s 1.16-1.53x higher, for 6-10 s of cold compile per bucket (about 1 s wit
 cache): a cold start of a minute or more to save a few milliseconds per step."""
 
 
-def _choose_compile(model: ModelFacts, hw: Hardware) -> tuple[str, str]:
+PREPACKED_COMPILE_EVIDENCE = (
+    "the linears run oneDNN-packed (weight_prepack), so Inductor would only fuse the elementwise glue between them: "
+    "measured no gain for twice the start-up (scripts/bench_peer.py, 2-core EPYC, fp32: SmolLM2-135M 249 tok/s "
+    "compiled and eager, ready in 17.6 s vs 7.6 s; a 0.5B Llama 78 vs 82 tok/s, 25.1 s vs 11.7 s); "
+    "compile='default' to opt in")
+"""Why a CPU plan with prepacked linears does not compile."""
+
+
+def _choose_compile(model: ModelFacts, hw: Hardware, prepack: bool) -> tuple[str, str]:
     """Inductor's default mode; max-autotune only on request (its GEMM search costs minutes per bucket).
-    Off on the CPU for small models, where start-up would dwarf the gain (measured, see above)."""
+    Off on the CPU for small models, where start-up would dwarf the gain, and where the linears run
+    prepacked, which leaves Inductor only elementwise glue to fuse (both measured, see above)."""
     if hw.device_type == "cpu":
         if model.num_params < CPU_COMPILE_MIN_PARAMS:
             return "off", (f"{format_count(model.num_params)} params on a CPU: steps take milliseconds; compiling "
                            "measured 1.1-1.3x faster steps (5M-param Llama, bench_graphs.py) for 6-10 s of cold "
                            "compile per bucket, so not worth the start-up (compile='default' to opt in)")
+        if prepack:
+            return "off", PREPACKED_COMPILE_EVIDENCE
         return "default", ("Inductor C++ fuses norms, rotary, residual adds and the MLP; each bucket compiles once "
                            "(seconds each, cached on disk by Inductor for the next start)")
     return "default", ("Inductor fuses norms, rotary, residual adds and the MLP; max-autotune benchmarks GEMM "
@@ -307,8 +326,9 @@ def _choose_block_size(model: ModelFacts) -> tuple[int, str]:
     return 64, f"FastGen's rule: 64-token blocks for head_dim {model.head_dim} > 64"
 
 
-def _choose_token_budget(model: ModelFacts, hw: Hardware, dtype: torch.dtype) -> tuple[int, str]:
-    """CPU: the largest step that stays near 0.5 s; GPU: FastGen's 768, scaled up on Hopper-class FLOP/s."""
+def _choose_token_budget(model: ModelFacts, hw: Hardware, dtype: torch.dtype, offline: bool) -> tuple[int, str]:
+    """CPU: the largest step that stays near 0.5 s when serving, at least 512 tokens for an offline batch;
+    GPU: FastGen's 768, scaled up on Hopper-class FLOP/s."""
     if hw.device_type == "cpu":
         rate = _cpu_gflops(hw, dtype_name(dtype))
         flop_per_token = 2 * model.active_params
@@ -319,6 +339,10 @@ def _choose_token_budget(model: ModelFacts, hw: Hardware, dtype: torch.dtype) ->
                 f"({dtype_name(dtype)}, {source}) = {full:.2g} s per step")
         if fits >= FASTGEN_TOKEN_BUDGET:
             return FASTGEN_TOKEN_BUDGET, f"FastGen's default: {head}, within the {CPU_STEP_TARGET_S} s step target"
+        if offline:
+            budget = max(CPU_OFFLINE_TOKEN_BUDGET, 1 << (max(fits, 1).bit_length() - 1))
+            return budget, (f"an offline batch, judged by its total throughput, not by step latency: {head}; "
+                            f"{OFFLINE_BUDGET_EVIDENCE}")
         # Weight streaming per step (bytes / GB/s) <= 10% of the matmul time (tokens x 2 x params / rate).
         itemsize = torch.empty((), dtype=dtype).element_size()
         stream = CPU_WEIGHT_STREAM_GBPS_PER_CORE * hw.cpu_cores
@@ -469,19 +493,23 @@ def _cpu_gflops(hw: Hardware, dtype_name: str) -> float:
     return per_core[dtype_name] * hw.cpu_cores
 
 
-def plan_deployment(model_name_or_path: str, device: str | None = None, **overrides: Any) -> Plan:
-    """The plan for `model_name_or_path` on this machine (`device` as in `pipeline`), without printing."""
-    return make_plan(model_facts(model_name_or_path), detect_hardware(device), **overrides)
+def plan_deployment(model_name_or_path: str, device: str | None = None, *, offline: bool = False,
+                    **overrides: Any) -> Plan:
+    """The plan for `model_name_or_path` on this machine (`device` as in `pipeline`; `offline` as in
+    `make_plan`), without printing."""
+    return make_plan(model_facts(model_name_or_path), detect_hardware(device), offline=offline, **overrides)
 
 
-def explain(model_name_or_path: str, *, hardware: Hardware | None = None, **overrides: Any) -> Plan:
+def explain(model_name_or_path: str, *, hardware: Hardware | None = None, offline: bool = False,
+            **overrides: Any) -> Plan:
     """Plan how to serve `model_name_or_path` here (or on `hardware`), print it as a table, return it.
 
-    Only config.json is read; `overrides` are the engine keywords the plan's fields are named after.
+    Only config.json is read; `offline` is `make_plan`'s (True: the plan of a `pipeline` batch);
+    `overrides` are the engine keywords the plan's fields are named after.
     """
     facts = model_facts(model_name_or_path)
     hardware = hardware or detect_hardware()
-    plan = make_plan(facts, hardware, **overrides)
+    plan = make_plan(facts, hardware, offline=offline, **overrides)
     print(f"model: {model_name_or_path} ({describe_model(facts)})")
     print(f"hardware: {describe_hardware(hardware)}")
     print(plan.table())
