@@ -1,17 +1,20 @@
 """Per-bucket step time, eager vs compiled (vs CUDA graphs on a GPU), compile/capture cost,
 end-to-end decode throughput, and batch-1 decode bandwidth against the machine's ceiling.
 
-    .venv/bin/python scripts/bench_graphs.py [--layers 8 --hidden 512] [--buckets 1,2,4,...]
+    .venv/bin/python scripts/bench_graphs.py [--layers 8 --hidden 512 | --model DIR] [--buckets 1,2,4,...]
 
 Each bucket is timed on a realistic step: `min(bucket, max_seqs)` sequences with 64 tokens of
 context each, the bucket's tokens spread over them (a decode step when bucket <= max_seqs).
 Batch-1 decode bandwidth is weight bytes x decode steps/s (gpt-fast's measure), compared with
-a measured streaming-read bandwidth. Prints tables, writes JSON (bench_results/graphs.json).
+a measured streaming-read bandwidth. The model is a random-weight Llama of `--layers` x `--hidden`,
+or with `--model` a checkpoint directory (say, bench_peer's converted SmolLM2-135M), its
+parameters counted from its config. Prints tables, writes JSON (bench_results/graphs.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -21,6 +24,7 @@ from bench_common import build_llama_checkpoint, median_seconds, memory_read_ban
 
 import fastgen
 from fastgen.executor.step_inputs import HostStepInputs
+from fastgen.planning.model_facts import model_facts
 
 CONTEXT = 64
 
@@ -47,7 +51,6 @@ def step_inputs(bucket: int, max_seqs: int, block_size: int) -> HostStepInputs:
 def time_buckets(pipe: fastgen.Pipeline, buckets: list[int], max_seqs: int, repeats: int) -> dict[int, float]:
     """Median seconds of one model step per bucket through the runner's static buffers."""
     runner = pipe.engine.runner
-    step = runner._compiled or runner._forward
     out = {}
     with torch.inference_mode():
         for bucket in buckets:
@@ -55,9 +58,9 @@ def time_buckets(pipe: fastgen.Pipeline, buckets: list[int], max_seqs: int, repe
             views = runner.buffers.views(bucket)
             if bucket in runner._graphs:
                 out[bucket] = median_seconds(runner._graphs[bucket][0].replay, repeats)
-            else:
-                with runner._recompile_budget():
-                    out[bucket] = median_seconds(lambda: step(*views), repeats)
+            else:  # the model step itself: its decoder layers are the compiled ones when compile is on
+                with runner._compile_context():
+                    out[bucket] = median_seconds(lambda: runner._forward(*views), repeats)
     return out
 
 
@@ -97,6 +100,7 @@ def decode_throughput(pipe: fastgen.Pipeline, batch: int, new_tokens: int) -> fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a checkpoint directory instead of the random Llama shape")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--dtype", default="bfloat16")
@@ -121,14 +125,18 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="fastgen-bench-")
     try:
-        num_params = build_llama_checkpoint(tmp, dtype, args.layers, args.hidden)
+        if args.model:
+            path, num_params, kind = args.model, model_facts(args.model).num_params, os.path.basename(args.model)
+        else:
+            path, kind = tmp, "Llama-shaped"
+            num_params = build_llama_checkpoint(tmp, dtype, args.layers, args.hidden)
         weight_bytes = num_params * torch.empty((), dtype=dtype).element_size()
-        print(f"model: Llama-shaped, {num_params / 1e6:.0f}M parameters ({weight_bytes / 2**20:.0f} MiB), {args.dtype}, "
+        print(f"model: {kind}, {num_params / 1e6:.0f}M parameters ({weight_bytes / 2**20:.0f} MiB), {args.dtype}, "
               f"on {device}, {torch.get_num_threads()} threads")
         step_times, warmup, decode, profiles = {}, {}, {}, {}
         for name, options in modes.items():
             start = time.perf_counter()
-            pipe = fastgen.pipeline(tmp, **common, **options)
+            pipe = fastgen.pipeline(path, **common, **options)
             startup = time.perf_counter() - start
             warmup[name] = {"startup_s": startup, "per_bucket_s": dict(pipe.engine.runner.warmup_seconds)}
             step_times[name] = time_buckets(pipe, buckets, common["max_seqs"], args.repeats)

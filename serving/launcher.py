@@ -104,7 +104,8 @@ def _planned_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.replica_of is not None or torchrun_env() is not None:
         return 1
     overrides = {k: v for k, v in config.plan_overrides().items() if k != "replica_num"}
-    plan = fastgen.plan_deployment(config.model or DEMO_MODEL_DIR, config.device, **overrides)
+    plan = fastgen.plan_deployment(config.model or DEMO_MODEL_DIR, config.device, offline=config.offline,
+                                   **overrides)
     if plan.replica_num > 1:
         logger.info("replicas: %d (%s)", plan.replica_num, plan.reasons["replica_num"])
     return plan.replica_num

@@ -39,8 +39,8 @@ CPU_STEP_TARGET_S = 0.5
 # although such a step outlasts the 0.5 s target. Measured with scripts/bench_peer.py (SmolLM2-135M, fp32,
 # 128 requests): larger steps than 512 gained nothing.
 CPU_OFFLINE_TOKEN_BUDGET = 512
-OFFLINE_BUDGET_EVIDENCE = ("on a 2-core EPYC SmolLM2-135M (fp32) made 190 tok/s with 128-token steps, 264 with 512, "
-                           "249 with 768 and 255 with 2048")
+OFFLINE_BUDGET_EVIDENCE = ("on a 2-core EPYC SmolLM2-135M (fp32, 128 requests) made 190 tok/s with 128-token steps, "
+                           "227-264 with 512, 249 with 768 and 255 with 2048")
 # Every step streams all weights once; the budget keeps that under 10% of a step's matmul time.
 CPU_STREAM_SHARE = 0.1
 A100_BF16_TFLOPS = 312.0  # the GPU FastGen's 768-token budget was tuned on (dense bf16 spec)
@@ -263,9 +263,9 @@ cache): a cold start of a minute or more to save a few milliseconds per step."""
 
 PREPACKED_COMPILE_EVIDENCE = (
     "the linears run oneDNN-packed (weight_prepack), so Inductor would only fuse the elementwise glue between them: "
-    "measured no gain for twice the start-up (scripts/bench_peer.py, 2-core EPYC, fp32: SmolLM2-135M 249 tok/s "
-    "compiled and eager, ready in 17.6 s vs 7.6 s; a 0.5B Llama 78 vs 82 tok/s, 25.1 s vs 11.7 s); "
-    "compile='default' to opt in")
+    "measured at most 5% more tok/s for 2-2.5x the start-up (scripts/bench_peer.py, 2-core EPYC, fp32, 128 requests: "
+    "SmolLM2-135M 240 vs 228 tok/s at 512-token steps and 249 vs 249 at 768, ready in 21.7 s vs 8.5 s; a 0.5B Llama "
+    "78 vs 82 tok/s, 25.1 s vs 11.7 s); compile='default' to opt in")
 """Why a CPU plan with prepacked linears does not compile."""
 
 
