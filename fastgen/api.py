@@ -217,7 +217,8 @@ def pipeline(model_name_or_path: str | None = None, model_config: dict[str, Any]
 
     Keywords are `EngineConfig` fields (`dtype`, `device`, `max_length`, `token_budget`, `max_seqs`,
     `block_size`, `num_kv_blocks`, `kv_cache_memory`, `enable_prefix_caching`, `tensor_parallel`,
-    `seed`, `offline` (True here: steps sized for the batch's throughput), ...) and MII's `ModelConfig` fields, as keywords or in `model_config={...}` (see
+    `seed`, `offline` (True here: steps sized for the batch's throughput), ...) and MII's
+    `ModelConfig` fields, as keywords or in `model_config={...}` (see
     `mii_options`: each is mapped onto ours, refused with the reason, or accepted with a
     `MIICompatibilityWarning` saying why it has no effect). `all_rank_output` is MII's: True is
     refused only under a torchrun launch of several ranks, where ranks > 0 do not generate. On a
