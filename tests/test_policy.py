@@ -411,6 +411,13 @@ def test_explain_command_line_reports_impossible_override(tmp_path, monkeypatch,
     assert "cuda_graphs=True needs a CUDA device" in capsys.readouterr().err
 
 
+def test_offline_must_be_a_bool():
+    from fastgen.config import EngineConfig
+
+    with pytest.raises(TypeError, match="offline must be a bool, got 'yes'"):
+        EngineConfig.from_kwargs(None, offline="yes")
+
+
 def test_explain_command_line_plans_offline_on_request(tmp_path, monkeypatch):
     import fastgen.planning.cli as cli
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from fastgen.models.quant import DEFAULT_GROUP_SIZE
+from fastgen.ops.packed_linear import PREPACK_DTYPES, prepack_available
 from fastgen.planning.hardware import Hardware, detect_hardware
 from fastgen.planning.memory import (CPU_KV_RAM_FRACTION, GPU_MEMORY_FRACTION, activation_reserve,
                                      check_fits, choose_group_size, choose_quantization, divides_heads, gpu_need,
@@ -290,10 +291,11 @@ def _prepack_blocker(hw: Hardware, dtype: torch.dtype, quant: str, offload: str)
     """Why weight prepacking cannot apply here (None: it can)."""
     if hw.device_type != "cpu":
         return "oneDNN's packed linear is a CPU kernel"
-    if not torch.backends.mkldnn.is_available():
+    if not prepack_available():
         return "this torch build has no oneDNN"
-    if dtype not in (torch.float32, torch.bfloat16):
-        return f"oneDNN's packed linear takes fp32 or bf16 weights, not {dtype_name(dtype)}"
+    if dtype not in PREPACK_DTYPES:
+        return (f"oneDNN's packed linear takes {' or '.join(map(dtype_name, PREPACK_DTYPES))} weights, "
+                f"not {dtype_name(dtype)}")
     if dtype == torch.bfloat16 and not {"avx512_bf16", "amx_bf16"} & hw.cpu_flags:
         return "oneDNN packs bf16 weights only on CPUs with AVX512-BF16 or AMX (this one emulates bf16 matmuls)"
     if quant != "none":
@@ -339,16 +341,16 @@ def _choose_token_budget(model: ModelFacts, hw: Hardware, dtype: torch.dtype, of
                 f"({dtype_name(dtype)}, {source}) = {full:.2g} s per step")
         if fits >= FASTGEN_TOKEN_BUDGET:
             return FASTGEN_TOKEN_BUDGET, f"FastGen's default: {head}, within the {CPU_STEP_TARGET_S} s step target"
+        fits_power = 1 << (max(fits, 1).bit_length() - 1)  # budgets are powers of two below FastGen's 768
         if offline:
-            budget = max(CPU_OFFLINE_TOKEN_BUDGET, 1 << (max(fits, 1).bit_length() - 1))
-            return budget, (f"an offline batch, judged by its total throughput, not by step latency: {head}; "
+            return max(CPU_OFFLINE_TOKEN_BUDGET, fits_power), (f"an offline batch, judged by its total throughput, not by step latency: {head}; "
                             f"{OFFLINE_BUDGET_EVIDENCE}")
         # Weight streaming per step (bytes / GB/s) <= 10% of the matmul time (tokens x 2 x params / rate).
         itemsize = torch.empty((), dtype=dtype).element_size()
         stream = CPU_WEIGHT_STREAM_GBPS_PER_CORE * hw.cpu_cores
         least = rate * itemsize / (2 * stream * CPU_STREAM_SHARE)
         floor = min(FASTGEN_TOKEN_BUDGET, 1 << (int(least) - 1).bit_length())
-        budget = max(floor, 1 << (max(fits, 1).bit_length() - 1))
+        budget = max(floor, fits_power)
         why = f"{head}; a {CPU_STEP_TARGET_S} s step (FastGen's 2 tokens/s SLA) fits {fits} tokens"
         if budget == floor and fits < floor:
             why += (f"; floored at {floor} so re-streaming the weights each step (~{stream:.0f} GB/s) "
