@@ -17,7 +17,7 @@ DATA_TYPES = ("fastgen.config", "fastgen.sampling_params", "fastgen.outputs")
 ALLOWED = [
     ("fastgen.ops", ["fastgen.ops."]),
     ("fastgen.models", ["fastgen.models.", "fastgen.ops."]),
-    ("fastgen.planning", ["fastgen.planning.", "fastgen.models."]),
+    ("fastgen.planning", ["fastgen.planning.", "fastgen.models.", "fastgen.ops."]),
     ("fastgen.executor", ["fastgen.executor.", "fastgen.models.", "fastgen.ops."]),
     ("fastgen.engine", ["fastgen.engine.", "fastgen.executor.", "fastgen.planning.", "fastgen.models.",
                         "fastgen.ops.", *DATA_TYPES]),
