@@ -4,8 +4,9 @@ The op both writes this step's K/V into the cache (through `slot_mapping`) and a
 sequence's query tokens over its blocks (through `block_tables`). Keeping both inside one opaque
 op lets `torch.compile(fullgraph=True)` fuse everything around it and lets a CUDA graph capture
 the whole step. The implementation here, `torch_paged_attention`, is the CPU path: plain torch,
-tuned for the CPU (decode rows batched into a few gathers and SDPA calls). The Triton kernel
-(`fastgen.ops.triton_attention`) serves CUDA tensors; both are tested against a float64 oracle.
+tuned for the CPU (one-token rows attended block by block, all in one call, by
+`fastgen.ops.decode_attention`). The Triton kernel (`fastgen.ops.triton_attention`) serves CUDA
+tensors; both are tested against a float64 oracle.
 
 Three ops share one signature: `fastgen::paged_attention` picks by device (Triton on CUDA, torch
 elsewhere), `fastgen::paged_attention_torch` is always the torch path and
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from fastgen.ops.decode_attention import attend_decode_rows
 from fastgen.ops.triton_attention import triton_paged_attention
 
 if TYPE_CHECKING:
@@ -54,10 +56,8 @@ def _attend_one(
     num_q, num_ctx = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     if softcap == 0 and (sliding_window <= 0 or sliding_window >= num_ctx):
-        # Plain causal attention needs no mask tensor: a lone query sees every key, and a query
-        # block over exactly its own keys is SDPA's `is_causal` (its flash kernel skips masked tiles).
-        if num_q == 1:
-            return _attend_decode_rows(q, kh, vh, None, scale)
+        # A query block over exactly its own keys is SDPA's `is_causal`: no mask tensor, and its
+        # flash kernel skips the masked tiles.
         if num_q == num_ctx:
             return F.scaled_dot_product_attention(qh, kh, vh, scale=scale, is_causal=True,
                                                   enable_gqa=True)[0].transpose(0, 1)
@@ -68,15 +68,6 @@ def _attend_one(
         # Same rule as transformers' sliding-window overlay: key visible iff q - k < window.
         mask = mask & (k_pos > q_pos - sliding_window)
     return _attend_heads(qh, kh, vh, mask[None, None], scale, softcap)[0].transpose(0, 1)
-
-
-def _attend_decode_rows(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor | None,
-                        scale: float) -> torch.Tensor:
-    """One query token per row: `q` `[B, Hq, D]` attends `kh`/`vh` `[B, Hkv, L, D]` where `mask`
-    (`[B, 1, 1, L]`, None = every key) is True. The query heads sharing a KV head become query rows
-    of that head, so SDPA reads each K/V head once (`enable_gqa` measured 1.5x slower at 12 / 3 heads)."""
-    q_by_kv_head = q.view(q.shape[0], kh.shape[1], -1, q.shape[-1])
-    return F.scaled_dot_product_attention(q_by_kv_head, kh, vh, attn_mask=mask, scale=scale).reshape(q.shape)
 
 
 def _attend_heads(qh, kh, vh, mask, scale: float, softcap: float) -> torch.Tensor:
@@ -118,27 +109,38 @@ def torch_paged_attention(
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    decodes = [s for s, n in enumerate(lens) if n > 0 and starts[s + 1] - starts[s] == 1]
-    if len(decodes) > 1:
-        _attend_decodes(query, k_cache, v_cache, block_tables, decodes, lens, starts, scale, sliding_window,
-                        softcap, out)
-        done = set(decodes)
-    else:
-        done = set()
+    # One query token (a decode, or a one-token prompt chunk): attended block by block, all rows at once.
+    single = [s for s, n in enumerate(lens) if n > 0 and starts[s + 1] - starts[s] == 1]
+    if single:
+        attend_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, single, [starts[s] for s in single],
+                           scale, sliding_window, softcap, out)
     for s, seq_len in enumerate(lens):
         q_start, q_end = starts[s], starts[s + 1]
-        if seq_len <= 0 or q_end <= q_start or s in done:
+        if seq_len <= 0 or q_end - q_start <= 1:
             continue
         if seq_len == q_end - q_start:
             # No earlier context (a prompt's first chunk): its K/V are this step's, no gather needed.
             k = key[q_start:q_end].to(k_cache.dtype)
             v = value[q_start:q_end].to(v_cache.dtype)
         else:
-            blocks = block_tables[s, : -(-seq_len // block_size)].long()
-            k = _gather_blocks(k_cache, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-            v = _gather_blocks(v_cache, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+            k, v = _context(k_cache, v_cache, block_tables[s, : -(-seq_len // block_size)], seq_len)
         out[q_start:q_end] = _attend_one(query[q_start:q_end], k, v, scale, sliding_window, softcap)
     return out
+
+
+def _context(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+             seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's first `seq_len` keys and values (`[seq_len, num_kv_heads, head_dim]` each): a view of
+    the cache when its blocks are consecutive (as a fresh cache hands them out), else a copy."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    ids = blocks.tolist()
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        lo, hi = ids[0], ids[0] + len(ids)
+        return (k_cache[lo:hi].view(-1, num_kv_heads, head_dim)[:seq_len],
+                v_cache[lo:hi].view(-1, num_kv_heads, head_dim)[:seq_len])
+    blocks = blocks.long()
+    return (_gather_blocks(k_cache, blocks).view(-1, num_kv_heads, head_dim)[:seq_len],
+            _gather_blocks(v_cache, blocks).view(-1, num_kv_heads, head_dim)[:seq_len])
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -148,63 +150,6 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     along dim 0 of the 4-d cache, and ~4x faster than advanced indexing, at decode sizes).
     """
     return cache.view(cache.shape[0], -1).index_select(0, blocks)
-
-
-# Decode rows are batched into one attention call over gathered, padded K/V, at most this many
-# bytes of K (and of V) per call whatever the head size. Small enough that SDPA reads the copy
-# back from the CPU's caches, not from memory, and that the copy reuses freed heap pages (glibc
-# serves large copies from fresh pages the kernel faults in on every call). Measured on a 2-core
-# EPYC, fp32, 9/3 heads of 64, contexts 200-450: 128 rows 77.5 ms at 16 MiB, 30.3 at 2 MiB,
-# 34.5 at 1 MiB; 32 rows 27.6, 9.8 and 8.6 ms (one op call). End to end on SmolLM2-135M
-# (128 requests) it moved nothing measurable: there most steps pair a prompt chunk with ~30 decode rows.
-_DECODE_BATCH_BYTES = 2 << 20
-
-
-def _attend_decodes(query, k_cache, v_cache, block_tables, rows, lens, starts, scale, sliding_window, softcap,
-                    out) -> None:
-    """One-token queries of many sequences: a few batched attention calls instead of one per sequence.
-
-    Rows are sorted by length and grouped so each group's `rows x longest context` stays bounded
-    and no row is padded to more than about twice its own context.
-    """
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    rows = sorted(rows, key=lambda s: lens[s])
-    max_tokens = max(1, _DECODE_BATCH_BYTES // (num_kv_heads * head_dim * k_cache.element_size()))
-    group: list[int] = []
-    for i, s in enumerate(rows):
-        group.append(s)
-        last = i + 1 == len(rows)
-        # Close the group before padding would more than double its work (one long context would
-        # otherwise make every short row attend over its length) or its gathered copy grows too big.
-        if (last or (len(group) + 1) * lens[rows[i + 1]] > max_tokens
-                or lens[rows[i + 1]] > 2 * max(lens[group[0]], 64)):
-            max_len = lens[group[-1]]
-            num_blocks = -(-max_len // block_size)
-            padded_len = num_blocks * block_size
-            index = torch.tensor(group, device=query.device)
-            # index_select on the flattened block ids gathers ~6x faster than advanced indexing.
-            blocks = block_tables.index_select(0, index)[:, :num_blocks].flatten().long()
-            k = _gather_blocks(k_cache, blocks).view(len(group), padded_len, num_kv_heads, head_dim)
-            v = _gather_blocks(v_cache, blocks).view(len(group), padded_len, num_kv_heads, head_dim)
-            q_rows = torch.tensor([starts[g] for g in group], device=query.device)
-            q = query.index_select(0, q_rows)
-            seq_len = torch.tensor([lens[g] for g in group], device=query.device).unsqueeze(1)
-            k_pos = torch.arange(padded_len, device=query.device).unsqueeze(0)
-            mask = k_pos < seq_len
-            # Slots past a sequence's end hold whatever an earlier owner left (even NaN): a masked
-            # score of NaN would still poison the softmax, so zero them, touching only those rows.
-            stale = (~mask).flatten().nonzero().squeeze(1)
-            k.view(-1, num_kv_heads, head_dim).index_fill_(0, stale, 0)
-            v.view(-1, num_kv_heads, head_dim).index_fill_(0, stale, 0)
-            if sliding_window > 0:
-                mask = mask & (k_pos > seq_len - 1 - sliding_window)
-            if softcap > 0:
-                attended = _attend_heads(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-                                         mask[:, None, None, :], scale, softcap)[:, :, 0]
-            else:
-                attended = _attend_decode_rows(q, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
-            out.index_copy_(0, q_rows, attended)
-            group = []
 
 
 # Registered through `torch.library.Library` rather than `torch.library.custom_op`: the latter wraps

@@ -41,7 +41,7 @@ class _Harness:
 
     def __init__(self, *, block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, window: int = 0, softcap: float = 0.0,
-                 num_blocks: int = 64, seed: int = 0) -> None:
+                 num_blocks: int = 64, seed: int = 0, shuffle: bool = True) -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.block_size, self.head_dim = block_size, head_dim
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
@@ -50,7 +50,8 @@ class _Harness:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
         self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
-        self.free = torch.randperm(num_blocks, generator=self.gen).tolist()
+        order = torch.randperm(num_blocks, generator=self.gen) if shuffle else torch.arange(num_blocks - 1, -1, -1)
+        self.free = order.tolist()
 
     def _randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen).to(self.dtype)
@@ -167,24 +168,49 @@ def test_long_decode_chain_over_many_blocks():
         h.step([(a, 1), (b, 1)], pad_tokens=2, pad_rows=2)
 
 
-def test_decode_rows_split_into_many_groups(monkeypatch):
-    """A small per-call cap splits one step's decode rows into several batched calls (rows sorted by
-    length, each call padded to its longest row): the answer is still the oracle's."""
-    import sys
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_rows_share_prefix_blocks(window):
+    """Rows whose block tables share the same full blocks (a prefix-cache hit), each attended block by
+    block and merged; one context spans many blocks, one fits in its first."""
+    h = _Harness(block_size=4, num_q_heads=6, num_kv_heads=2, head_dim=32, num_blocks=96, window=window, seed=9)
+    a, lone = _Seq(), _Seq()
+    h.step([(a, 13), (lone, 2)])
+    forks = [_Seq(blocks=a.blocks[:3], length=12) for _ in range(3)]
+    h.step([(f, n) for f, n in zip(forks, [1, 4, 7])])
+    for _ in range(5):
+        h.step([(a, 1), (lone, 1)] + [(f, 1) for f in forks], pad_tokens=1, pad_rows=1)
 
-    module = sys.modules["fastgen.ops.paged_attention"]
-    calls = []
-    attend = module._attend_decode_rows
-    monkeypatch.setattr(module, "_attend_decode_rows", lambda *a: calls.append(1) or attend(*a))
-    # K of about 40 tokens per call: 2 kv heads x 32 dims x 4 bytes each.
-    monkeypatch.setattr(module, "_DECODE_BATCH_BYTES", 40 * 2 * 32 * 4)
-    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, num_blocks=128, seed=5)
-    seqs = [_Seq() for _ in range(8)]
-    h.step([(s, n) for s, n in zip(seqs, [3, 17, 9, 30, 12, 5, 24, 2])])
-    for _ in range(3):
-        calls.clear()
+
+@pytest.mark.parametrize("shuffle, num_blocks", [(False, 48), (True, 400)], ids=["in_order", "scattered"])
+def test_decode_blocks_read_in_place_and_from_copies(shuffle, num_blocks, monkeypatch):
+    """Wholly written blocks in a dense stretch of the cache are attended where they lie, the rest
+    (last blocks; every block when they lie scattered over a large cache) over copies; the answer is
+    the oracle's either way."""
+    import fastgen.ops.decode_attention as module
+
+    counts = {"in_place": 0, "copied": 0}
+    in_place, copies = module._attend_in_place, module._attend_copies
+
+    def count_in_place(*args):
+        done = in_place(*args)
+        counts["in_place"] += int(done.sum())
+        return done
+
+    def count_copies(q, k_cache, v_cache, blocks, valid, pairs, *rest):
+        counts["copied"] += pairs.numel()
+        return copies(q, k_cache, v_cache, blocks, valid, pairs, *rest)
+
+    monkeypatch.setattr(module, "_attend_in_place", count_in_place)
+    monkeypatch.setattr(module, "_attend_copies", count_copies)
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, num_blocks=num_blocks, seed=13,
+                 shuffle=shuffle)
+    seqs = [_Seq() for _ in range(6)]
+    h.step([(s, n) for s, n in zip(seqs, [9, 14, 3, 21, 8, 12])])
+    h.step([(seqs[3], 2)])  # a chunk over context whose blocks are consecutive: read as a view of the cache
+    for _ in range(4):
         h.step([(s, 1) for s in seqs], pad_tokens=1, pad_rows=1)
-        assert len(calls) >= 3
+    assert counts["copied"] > 0
+    assert (counts["in_place"] > 0) == (not shuffle)
 
 
 # The Triton kernel, under the interpreter ---------------------------------------------------------
