@@ -3,11 +3,10 @@
 Each (row, block) pair is attended on its own, as one batch entry of a single attention call, and
 the partial results of a row are merged through their log-sum-exp (the split-K merge of
 flash-decoding). No row pays for another's length, nothing is padded beyond the last block, and the
-wholly written blocks are read where they are in the cache instead of being copied. On a 2-core EPYC
-(fp32, 9/3 heads of 64, 128-token blocks, contexts 200-450, shuffled blocks) one layer's decode
-attention measured 15.5 -> 9.3 ms at 32 rows and 43 -> 31 ms at 128 rows against the padded,
-length-grouped SDPA calls over gathered copies that this replaced; end to end, SmolLM2-135M's offline
-batch (scripts/bench_peer.py, fp32) went from 238 to 274 tok/s.
+blocks are read where they lie in the cache instead of being copied. On a 2-core EPYC (fp32, 9/3
+heads of 64, 128-token blocks, contexts 200-450, shuffled blocks) one layer's decode attention
+measured 15.5 -> 7.0 ms at 32 rows and 43 -> 20 ms at 128 rows against the padded, length-grouped
+SDPA calls over gathered copies that this replaced.
 """
 
 from __future__ import annotations
@@ -71,33 +70,36 @@ _RANGE_SLACK = 2
 
 
 def _attend_in_place(q, k_cache, v_cache, blocks, valid, scale: float, softcap: float, partial, lse) -> torch.Tensor:
-    """Attend the pairs whose block is wholly valid straight from the cache, without copying it: the
-    cache rows `lo:hi` spanning their blocks are one batch of a single attention call, each block
-    paired with its row's query (zeros elsewhere). Returns which pairs were done.
+    """Attend pairs straight from the cache, without copying their blocks: the cache rows `lo:hi`
+    spanning the blocks are one batch of a single attention call, each block paired with its row's
+    query (zeros elsewhere) and masked to its valid slots. Returns which pairs were done.
 
-    Only wholly valid blocks qualify: the unwritten slots of a sequence's last block hold whatever an
-    earlier owner left, even NaN, and a NaN key poisons its row's softmax even where masked. A block that
-    several rows share (a common prefix) is done in place for its first row only.
+    A block that several rows share (a common prefix) is done here for its first row only. The
+    unwritten slots of a sequence's last block hold whatever an earlier owner left, and a NaN or inf
+    there poisons its row's softmax even where masked (0 x inf): a pair whose result is not finite is
+    left to the copies, which zero those slots.
     """
-    done = valid.all(1)
     order = torch.argsort(blocks, stable=True)
     ordered = blocks.index_select(0, order)
-    repeat = torch.zeros_like(done)
-    repeat[order[1:]] = ordered[1:] == ordered[:-1]
-    done &= ~repeat
+    done = torch.ones_like(blocks, dtype=torch.bool)
+    done[order[1:]] = ordered[1:] != ordered[:-1]
     pick = done.nonzero().squeeze(1)
-    if pick.numel() == 0 or softcap > 0:
-        return done & False
     chosen = blocks.index_select(0, pick)
     lo, hi = int(chosen.min()), int(chosen.max()) + 1
-    if hi - lo > _RANGE_SLACK * pick.numel() + 16:
+    if softcap > 0 or q.device.type != "cpu" or hi - lo > _RANGE_SLACK * pick.numel() + 16:
         return done & False
     offsets = chosen - lo
     query = q.new_zeros((hi - lo, *q.shape[1:])).index_copy_(0, offsets, q.index_select(0, pick))
+    mask = q.new_zeros((hi - lo, valid.shape[1])).index_copy_(
+        0, offsets, torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
+        .index_select(0, pick))
     keys, values = k_cache[lo:hi].transpose(1, 2), v_cache[lo:hi].transpose(1, 2)
-    out, range_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, keys, values, scale=scale) \
-        if q.device.type == "cpu" else _attend_with_lse(query, keys, values, None, scale, 0.0)
-    partial.index_copy_(0, pick, out.index_select(0, offsets))
+    out, range_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+    out = out.index_select(0, offsets)
+    finite = torch.isfinite(out).flatten(1).all(1)
+    done[pick] = finite
+    partial.index_copy_(0, pick, out)
     lse.index_copy_(0, pick, range_lse.float().index_select(0, offsets))
     return done
 
