@@ -1,19 +1,21 @@
-"""Hand-written operations: paged attention over the blocked KV cache, the KV-cache write, and the CPU linear
-over oneDNN-prepacked weights (`fastgen.ops.packed_linear`)."""
+"""Hand-written operations: paged attention over the blocked KV cache, the KV cache's layout and write
+(`fastgen.ops.kv_cache`), and the CPU linear over oneDNN-prepacked weights (`fastgen.ops.packed_linear`)."""
 
 from fastgen.ops.attention_metadata import AttentionMetadata
+from fastgen.ops.kv_cache import allocate_kv_cache, gather_blocks, write_kv_cache
 from fastgen.ops.paged_attention import (
     attention,
     paged_attention,
     torch_paged_attention,
     paged_attention_torch,
     paged_attention_triton,
-    write_kv_cache,
 )
 from fastgen.ops.triton_attention import triton_paged_attention, triton_write_kv_cache
 
 __all__ = [
     "AttentionMetadata",
+    "allocate_kv_cache",
+    "gather_blocks",
     "attention",
     "paged_attention",
     "torch_paged_attention",

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fastgen.ops  # noqa: E402  (registers the fastgen:: ops)
+from fastgen.ops import allocate_kv_cache  # noqa: E402
 from attention_oracle import paged_attention_oracle  # noqa: E402
 
 OP = torch.ops.fastgen.paged_attention
@@ -41,15 +42,18 @@ class _Harness:
 
     def __init__(self, *, block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, window: int = 0, softcap: float = 0.0,
-                 num_blocks: int = 64, seed: int = 0, shuffle: bool = True) -> None:
+                 num_blocks: int = 64, seed: int = 0, shuffle: bool = True, layout: str = "head_major") -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.block_size, self.head_dim = block_size, head_dim
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
         self.dtype, self.window, self.softcap = dtype, window, softcap
         self.scale = head_dim**-0.5
+        # The engine's layout (each block stored head-major), or plain contiguous: the ops take either.
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
-        self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        if layout == "head_major":
+            self.k_cache, self.v_cache = (allocate_kv_cache(*shape, dtype, "cpu").fill_(float("nan")) for _ in "kv")
+        else:
+            self.k_cache, self.v_cache = (torch.full(shape, float("nan"), dtype=dtype) for _ in "kv")
         order = torch.randperm(num_blocks, generator=self.gen) if shuffle else torch.arange(num_blocks - 1, -1, -1)
         self.free = order.tolist()
 
@@ -135,10 +139,12 @@ def test_matches_oracle(kind, block_size, heads):
     _run_batch(h, kind, seed=100 * len(kind) + 10 * block_size + heads[0] + heads[1])
 
 
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_head_dims_and_dtypes(head_dim, dtype):
-    h = _Harness(block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=dtype, seed=head_dim)
+def test_head_dims_and_dtypes(head_dim, dtype, layout):
+    h = _Harness(block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=dtype, seed=head_dim,
+                 layout=layout)
     _run_batch(h, "mixed", seed=head_dim, pad_tokens=3, pad_rows=2)
 
 
