@@ -24,10 +24,6 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     return torch.empty((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype, device=device).transpose(1, 2)
 
 
-# Every token's K/V is written before any sequence attends: a sequence admitted with a prefix-cache
-# hit may read blocks that another sequence of the same step is filling right now.
-
-
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

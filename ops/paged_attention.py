@@ -91,6 +91,8 @@ def torch_paged_attention(
     0 means no tanh soft-capping of the scores. Returns `[T, num_q_heads, head_dim]`, zeros for
     padded tokens.
     """
+    # Every token's K/V is written before any sequence attends: a sequence admitted with a prefix-cache
+    # hit may read blocks that another sequence of the same step is filling right now.
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     out = torch.zeros_like(query)
     block_size = k_cache.shape[1]
