@@ -57,12 +57,14 @@ def attend_decode_rows(
 
     slot = position[:, None] * block_size + torch.arange(block_size, device=device)
     valid = (slot < lens[owner, None]) & (slot >= first_pos[owner, None])
+    mask = torch.zeros(valid.shape, dtype=query.dtype, device=device).masked_fill_(~valid, float("-inf"))
     # The query heads sharing a KV head become query rows of that head, so each K/V head is read once.
     q = query.index_select(0, token_index).view(len(rows), num_kv_heads, group, head_dim).index_select(0, owner)
     partial = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=device)
-    in_place = _attend_in_place(q, k_cache, v_cache, blocks, valid, scale, softcap, partial, lse)
-    _attend_copies(q, k_cache, v_cache, blocks, valid, (~in_place).nonzero().squeeze(1), scale, softcap, partial, lse)
+    in_place = _attend_in_place(q, k_cache, v_cache, blocks, mask, scale, softcap, partial, lse)
+    _attend_copies(q, k_cache, v_cache, blocks, valid, mask, (~in_place).nonzero().squeeze(1), scale, softcap,
+                   partial, lse)
     if partial.shape[0] == len(rows):  # one block per row: nothing to merge
         merged = partial
     else:
@@ -97,16 +99,19 @@ def _attend_rows_one_by_one(query, k_cache, v_cache, block_tables, seq_lens, row
 _RANGE_SLACK = 2
 
 
-def _attend_in_place(q, k_cache, v_cache, blocks, valid, scale: float, softcap: float, partial, lse) -> torch.Tensor:
+def _attend_in_place(q, k_cache, v_cache, blocks, mask, scale: float, softcap: float, partial, lse) -> torch.Tensor:
     """Attend pairs straight from the cache, without copying their blocks: the cache rows `lo:hi`
     spanning the blocks are one batch of a single attention call, each block paired with its row's
-    query (zeros elsewhere) and masked to its valid slots. Returns which pairs were done.
+    query (zeros elsewhere) and its additive `mask` (`[pairs, block_size]`, -inf at invalid slots).
+    Returns which pairs were done.
 
     A block that several rows share (a common prefix) is done here for its first row only. The
     unwritten slots of a sequence's last block hold whatever an earlier owner left, and a NaN or inf
     there poisons its row's softmax even where masked (0 x inf): a pair whose result is not finite is
     left to the copies, which zero those slots.
     """
+    if softcap > 0 or q.device.type != "cpu":  # the CPU flash kernel has no softcap
+        return torch.zeros_like(blocks, dtype=torch.bool)
     order = torch.argsort(blocks, stable=True)
     ordered = blocks.index_select(0, order)
     done = torch.ones_like(blocks, dtype=torch.bool)
@@ -114,16 +119,14 @@ def _attend_in_place(q, k_cache, v_cache, blocks, valid, scale: float, softcap: 
     pick = done.nonzero().squeeze(1)
     chosen = blocks.index_select(0, pick)
     lo, hi = int(chosen.min()), int(chosen.max()) + 1
-    if softcap > 0 or q.device.type != "cpu" or hi - lo > _RANGE_SLACK * pick.numel() + 16:
+    if hi - lo > _RANGE_SLACK * pick.numel() + 16:
         return done & False
     offsets = chosen - lo
     query = q.new_zeros((hi - lo, *q.shape[1:])).index_copy_(0, offsets, q.index_select(0, pick))
-    mask = q.new_zeros((hi - lo, valid.shape[1])).index_copy_(
-        0, offsets, torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
-        .index_select(0, pick))
+    range_mask = q.new_zeros((hi - lo, mask.shape[1])).index_copy_(0, offsets, mask.index_select(0, pick))
     keys, values = k_cache[lo:hi].transpose(1, 2), v_cache[lo:hi].transpose(1, 2)
     out, range_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+        query, keys, values, attn_mask=range_mask[:, None, None, :], scale=scale)
     out = out.index_select(0, offsets)
     # A sum is not finite iff some term is not (or it overflows: then the copy just redoes it); cheaper
     # than an elementwise isfinite over every output.
@@ -141,7 +144,7 @@ def _attend_in_place(q, k_cache, v_cache, blocks, valid, scale: float, softcap: 
 _COPY_BYTES = 2 << 20
 
 
-def _attend_copies(q, k_cache, v_cache, blocks, valid, pairs: torch.Tensor, scale: float, softcap: float,
+def _attend_copies(q, k_cache, v_cache, blocks, valid, mask, pairs: torch.Tensor, scale: float, softcap: float,
                    partial, lse) -> None:
     """Attend `pairs` over copies of their blocks, the unwritten slots zeroed in the copy and masked."""
     per_call = max(1, _COPY_BYTES // (k_cache[0].numel() * k_cache.element_size()))
@@ -151,9 +154,8 @@ def _attend_copies(q, k_cache, v_cache, blocks, valid, pairs: torch.Tensor, scal
         keys, values = gather_blocks(k_cache, chunk_blocks), gather_blocks(v_cache, chunk_blocks)
         keys.masked_fill_(~chunk_valid[:, :, None, None], 0)
         values.masked_fill_(~chunk_valid[:, :, None, None], 0)
-        mask = torch.zeros(chunk_valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~chunk_valid, float("-inf"))
         out, chunk_lse = _attend_with_lse(q.index_select(0, chunk), keys.transpose(1, 2), values.transpose(1, 2),
-                                          mask[:, None, None, :], scale, softcap)
+                                          mask.index_select(0, chunk)[:, None, None, :], scale, softcap)
         partial.index_copy_(0, chunk, out)
         lse.index_copy_(0, chunk, chunk_lse)
 

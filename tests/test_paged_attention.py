@@ -204,9 +204,9 @@ def test_decode_blocks_read_in_place_and_from_copies(shuffle, num_blocks, stale,
         counts["in_place"] += int(done.sum())
         return done
 
-    def count_copies(q, k_cache, v_cache, blocks, valid, pairs, *rest):
+    def count_copies(q, k_cache, v_cache, blocks, valid, mask, pairs, *rest):
         counts["copied"] += pairs.numel()
-        return copies(q, k_cache, v_cache, blocks, valid, pairs, *rest)
+        return copies(q, k_cache, v_cache, blocks, valid, mask, pairs, *rest)
 
     monkeypatch.setattr(module, "_attend_in_place", count_in_place)
     monkeypatch.setattr(module, "_attend_copies", count_copies)

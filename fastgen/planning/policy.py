@@ -343,8 +343,9 @@ def _choose_token_budget(model: ModelFacts, hw: Hardware, dtype: torch.dtype, of
             return FASTGEN_TOKEN_BUDGET, f"FastGen's default: {head}, within the {CPU_STEP_TARGET_S} s step target"
         fits_power = 1 << (max(fits, 1).bit_length() - 1)  # budgets are powers of two below FastGen's 768
         if offline:
-            return max(CPU_OFFLINE_TOKEN_BUDGET, fits_power), (f"an offline batch, judged by its total throughput, not by step latency: {head}; "
-                            f"{OFFLINE_BUDGET_EVIDENCE}")
+            return max(CPU_OFFLINE_TOKEN_BUDGET, fits_power), (
+                f"an offline batch, judged by its total throughput, not by step latency: {head}; "
+                f"{OFFLINE_BUDGET_EVIDENCE}")
         # Weight streaming per step (bytes / GB/s) <= 10% of the matmul time (tokens x 2 x params / rate).
         itemsize = torch.empty((), dtype=dtype).element_size()
         stream = CPU_WEIGHT_STREAM_GBPS_PER_CORE * hw.cpu_cores
