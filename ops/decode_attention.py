@@ -1,19 +1,86 @@
 """Attention of one-token queries (decode rows) over their KV blocks, block by block.
 
-Each (row, block) pair is attended on its own, as one batch entry of a single attention call, and
-the partial results of a row are merged through their log-sum-exp (the split-K merge of
+Each (row, block) pair is attended on its own, as one batch entry of an attention call, and the
+partial results of a row are merged through their log-sum-exp (the split-K merge of
 flash-decoding). No row pays for another's length, nothing is padded beyond the last block, and the
 blocks are read where they lie in the cache instead of being copied. On a 2-core EPYC (fp32, 9/3
 heads of 64, 128-token head-major blocks, contexts 200-450, shuffled blocks) one layer's decode
 attention measured 15.5 -> 5.6 ms at 32 rows and 43 -> 17.6 ms at 128 rows against the padded,
 length-grouped SDPA calls over gathered copies that this replaced.
+
+Which block each pair reads, where its result goes and which slots it masks depend only on the
+step's block tables and sequence lengths, not on the layer: `plan_decode_rows` works them out once
+(a `DecodePlan`) and `attend_planned` runs it over each layer's K/V.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fastgen.ops.kv_cache import gather_blocks
+
+
+@dataclass(slots=True)
+class CacheRange:
+    """A stretch `lo:hi` of the cache attended in place: cache block `lo + i` is batch entry `i` of one
+    attention call, with the query of the row that wants it (an arbitrary token where no row does:
+    its result is dropped)."""
+
+    lo: int
+    """First cache block of the stretch."""
+    hi: int
+    """One past its last block."""
+    tokens: torch.Tensor
+    """int64 `[hi - lo]`: the query token of each block of the stretch."""
+    mask: torch.Tensor
+    """`[hi - lo, block_size]` additive mask (query dtype): 0 at visible slots, -inf elsewhere."""
+    src: torch.Tensor
+    """int64 `[k]`: the wanted blocks, as entries of the stretch (block `lo + src[j]`)."""
+    dst: torch.Tensor
+    """int64 `[k]`: where each wanted block's result goes in the plan's merge grid."""
+
+
+@dataclass(slots=True)
+class CopiedPairs:
+    """Pairs attended over copies of their blocks: blocks that another row of the step also reads (a
+    shared prefix, in place for its first row only), blocks too scattered for a stretch, and every
+    pair where the in-place call is ruled out (softcap, a device other than the CPU)."""
+
+    blocks: torch.Tensor
+    """int64 `[C]`: the cache block of each pair."""
+    tokens: torch.Tensor
+    """int64 `[C]`: the query token of each pair."""
+    mask: torch.Tensor
+    """`[C, block_size]` additive mask, as in `CacheRange.mask`."""
+    dst: torch.Tensor
+    """int64 `[C]`: where each result goes in the merge grid."""
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """How one step's decode rows are attended in every layer.
+
+    Results land in a merge grid of `num_rows x width` cells (row-major): cell `(r, c)` holds the
+    partial output of row r's c-th visible block; a row with fewer blocks leaves its last cells empty.
+    """
+
+    row_tokens: torch.Tensor
+    """int64 `[R]`: each row's token in the query and output."""
+    width: int
+    """Cells per row of the merge grid: the most visible blocks of any row."""
+    full: bool
+    """Every cell of the grid is filled (no row has fewer blocks than `width`)."""
+    ranges: list[CacheRange]
+    """Stretches of the cache attended in place."""
+    copies: CopiedPairs | None
+    """The other pairs, None if there are none."""
+
+    @property
+    def num_rows(self) -> int:
+        """R."""
+        return self.row_tokens.shape[0]
 
 
 def attend_decode_rows(
@@ -28,54 +95,160 @@ def attend_decode_rows(
     sliding_window: int,
     softcap: float,
     out: torch.Tensor,
+    plans: dict | None = None,
 ) -> None:
     """Attend the single query token of each of `rows` over its blocks and write it into `out`.
 
     `rows` index `block_tables`/`seq_lens`; `query_rows[i]` is row `rows[i]`'s token in `query`
     (`[T, num_q_heads, head_dim]`) and `out`. The K/V of this step must already be in the cache.
+    `plans`: this step's plans by their settings, shared by its layers (None: plan for this call only).
     """
     if len(rows) <= _FEW_ROWS:
         _attend_rows_one_by_one(query, k_cache, v_cache, block_tables, seq_lens, rows, query_rows, scale,
                                 sliding_window, softcap, out)
         return
-    device = query.device
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    group = query.shape[1] // num_kv_heads
-    row_index = torch.tensor(rows, device=device)
-    token_index = torch.tensor(query_rows, device=device)
-    lens = seq_lens.index_select(0, row_index).long()
-    num_blocks = (lens + block_size - 1) // block_size
-    columns = torch.arange(int(num_blocks.max()), device=device)
-    used = columns < num_blocks[:, None]
-    first_pos = torch.zeros_like(lens)
-    if sliding_window > 0:
-        # Same rule as transformers' sliding window: key visible iff query - key < window.
-        first_pos = (lens - sliding_window).clamp_min(0)
-        used &= columns >= (first_pos // block_size)[:, None]
-    owner, position = used.nonzero(as_tuple=True)
-    blocks = block_tables.index_select(0, row_index)[owner, position].long()
-
-    slot = position[:, None] * block_size + torch.arange(block_size, device=device)
-    valid = (slot < lens[owner, None]) & (slot >= first_pos[owner, None])
-    mask = torch.zeros(valid.shape, dtype=query.dtype, device=device).masked_fill_(~valid, float("-inf"))
-    # The query heads sharing a KV head become query rows of that head, so each K/V head is read once.
-    q = query.index_select(0, token_index).view(len(rows), num_kv_heads, group, head_dim).index_select(0, owner)
-    partial = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device=device)
-    in_place = _attend_in_place(q, k_cache, v_cache, blocks, mask, scale, softcap, partial, lse)
-    _attend_copies(q, k_cache, v_cache, blocks, valid, mask, (~in_place).nonzero().squeeze(1), scale, softcap,
-                   partial, lse)
-    if partial.shape[0] == len(rows):  # one block per row: nothing to merge
-        merged = partial
-    else:
-        merged = _merge(partial, lse, owner, len(rows))
-    out.index_copy_(0, token_index, merged.reshape(len(rows), -1, head_dim).to(out.dtype))
+    in_place = softcap == 0 and query.device.type == "cpu"  # the CPU flash kernel has no softcap
+    key = (k_cache.shape[1], sliding_window, in_place, query.dtype)
+    plan = None if plans is None else plans.get(key)
+    if plan is None:
+        plan = plan_decode_rows(block_tables, seq_lens, rows, query_rows, k_cache.shape[1], sliding_window, in_place,
+                                query.dtype)
+        if plans is not None:
+            plans[key] = plan
+    attend_planned(plan, query, k_cache, v_cache, scale, softcap, out)
 
 
 # At most this many rows are attended one by one: the batched path's ~70 small tensor ops per layer cost
 # ~1 ms, more than a few rows' own gathers and attention calls (measured on a 2-core EPYC, fp32, rows of
 # 3 blocks: 1 row 0.38 vs 1.03 ms, 2 rows 0.71 vs 1.14, 4 rows 1.15 vs 1.18, 8 rows 2.31 vs 1.60).
 _FEW_ROWS = 3
+
+# A stretch of the cache ends where more than this many unwanted blocks lie between two wanted ones
+# (each is computed, wanted or not: about what a separate attention call costs), and a stretch of fewer
+# than `_MIN_RANGE` wanted blocks is left to the copies, which batch such stragglers into one call.
+_MAX_GAP = 4
+_MIN_RANGE = 4
+
+
+def plan_decode_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: list[int], query_rows: list[int],
+                     block_size: int, sliding_window: int, in_place: bool, dtype: torch.dtype) -> DecodePlan:
+    """The `DecodePlan` of `rows` (their tokens `query_rows`) for a cache of `block_size`-token blocks,
+    masks in `dtype`; `in_place` False sends every pair to the copies."""
+    device = block_tables.device
+    row_index = torch.tensor(rows, device=device)
+    lens = seq_lens.index_select(0, row_index).long()
+    num_blocks = (lens + block_size - 1) // block_size
+    first_pos = torch.zeros_like(lens)
+    if sliding_window > 0:
+        # Same rule as transformers' sliding window: key visible iff query - key < window.
+        first_pos = (lens - sliding_window).clamp_min(0)
+    first_block = first_pos // block_size
+    columns = torch.arange(int(num_blocks.max()), device=device)
+    used = (columns < num_blocks[:, None]) & (columns >= first_block[:, None])
+    owner, position = used.nonzero(as_tuple=True)
+    blocks = block_tables.index_select(0, row_index)[owner, position].long()
+    slot = position[:, None] * block_size + torch.arange(block_size, device=device)
+    valid = (slot < lens[owner, None]) & (slot >= first_pos[owner, None])
+    mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))
+    tokens = torch.tensor(query_rows, device=device).index_select(0, owner)
+    cell = position - first_block.index_select(0, owner)
+    width = int(cell.max()) + 1
+    dst = owner * width + cell
+
+    ranges: list[CacheRange] = []
+    copied = torch.ones_like(blocks, dtype=torch.bool)
+    if in_place:
+        for pairs in _stretches(blocks):
+            copied[pairs] = False
+            lo, hi = int(blocks[pairs[0]]), int(blocks[pairs[-1]]) + 1
+            src = blocks.index_select(0, pairs) - lo
+            ranges.append(CacheRange(
+                lo=lo, hi=hi,
+                tokens=torch.zeros(hi - lo, dtype=torch.long, device=device).index_copy_(0, src, tokens[pairs]),
+                mask=mask.new_zeros((hi - lo, block_size)).index_copy_(0, src, mask.index_select(0, pairs)),
+                src=src, dst=dst.index_select(0, pairs)))
+    rest = copied.nonzero().squeeze(1)
+    copies = None
+    if rest.numel():
+        copies = CopiedPairs(blocks=blocks.index_select(0, rest), tokens=tokens.index_select(0, rest),
+                             mask=mask.index_select(0, rest), dst=dst.index_select(0, rest))
+    return DecodePlan(row_tokens=torch.tensor(query_rows, device=device), width=width,
+                      full=owner.numel() == len(rows) * width, ranges=ranges, copies=copies)
+
+
+def _stretches(blocks: torch.Tensor) -> list[torch.Tensor]:
+    """The pairs read in place, as index tensors into `blocks`, one per stretch of the cache, each in
+    block order: the first pair of every distinct block, cut where the gaps between blocks grow large."""
+    order = torch.argsort(blocks, stable=True).tolist()
+    ordered = blocks.tolist()
+    stretches, current, last = [], [], None
+    for pair in order:
+        block = ordered[pair]
+        if block == last:  # a block shared with an earlier row: that row reads it in place
+            continue
+        if last is not None and block - last > _MAX_GAP + 1:
+            stretches.append(current)
+            current = []
+        current.append(pair)
+        last = block
+    stretches.append(current)
+    return [torch.tensor(s, device=blocks.device) for s in stretches if len(s) >= _MIN_RANGE]
+
+
+def attend_planned(plan: DecodePlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                   softcap: float, out: torch.Tensor) -> None:
+    """Run `plan` over one layer's cache: every row's output written into `out` at its token."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = query.shape[1] // num_kv_heads
+    cells = plan.num_rows * plan.width
+    shape = (cells, num_kv_heads, group, head_dim)
+    # Empty cells must weigh nothing in the merge: a zero output at a log-sum-exp of -inf.
+    partial = query.new_empty(shape) if plan.full else query.new_zeros(shape)
+    lse = torch.full(shape[:3], float("-inf"), device=query.device)
+    for stretch in plan.ranges:
+        result, result_lse = _attend_in_place(stretch, query, k_cache, v_cache, scale, group)
+        partial.index_copy_(0, stretch.dst, result)
+        lse.index_copy_(0, stretch.dst, result_lse)
+    if plan.copies is not None:
+        c = plan.copies
+        result, result_lse = _attend_copies(query, k_cache, v_cache, c.blocks, c.tokens, c.mask, scale, softcap)
+        partial.index_copy_(0, c.dst, result)
+        lse.index_copy_(0, c.dst, result_lse)
+    if plan.width == 1:  # one block per row: nothing to merge
+        merged = partial
+    else:
+        merged = _merge(partial.view(plan.num_rows, plan.width, *shape[1:]), lse.view(plan.num_rows, plan.width,
+                                                                                       *shape[1:3]))
+    out.index_copy_(0, plan.row_tokens, merged.reshape(plan.num_rows, -1, head_dim).to(out.dtype))
+
+
+def _attend_in_place(stretch: CacheRange, query, k_cache, v_cache, scale: float,
+                     group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The wanted blocks of `stretch` attended straight from the cache (one CPU flash-attention call):
+    their outputs `[k, kv_heads, group, head_dim]` and float32 log-sum-exps.
+
+    The unwritten slots of a sequence's last block hold whatever an earlier owner left, and a NaN or
+    inf there poisons its row's softmax even where masked (0 x inf): a block whose result is not
+    finite is redone over a copy, which zeroes those slots.
+    """
+    n, num_kv_heads, head_dim = stretch.hi - stretch.lo, k_cache.shape[2], k_cache.shape[3]
+    q = query.index_select(0, stretch.tokens).view(n, num_kv_heads, group, head_dim)
+    keys = k_cache[stretch.lo:stretch.hi].transpose(1, 2)
+    values = v_cache[stretch.lo:stretch.hi].transpose(1, 2)
+    result, result_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, keys, values, attn_mask=stretch.mask[:, None, None, :], scale=scale)
+    result, result_lse = result.index_select(0, stretch.src), result_lse.float().index_select(0, stretch.src)
+    # A sum is not finite iff some term is not (or it overflows: then the copy just redoes it); one
+    # check of the whole result, cheaper than an elementwise isfinite.
+    if not bool(torch.isfinite(result.sum())):
+        bad = (~torch.isfinite(result.flatten(1).sum(1))).nonzero().squeeze(1)
+        wanted = stretch.src.index_select(0, bad)
+        redone, redone_lse = _attend_copies(query, k_cache, v_cache, wanted + stretch.lo,
+                                            stretch.tokens.index_select(0, wanted),
+                                            stretch.mask.index_select(0, wanted), scale, 0.0)
+        result.index_copy_(0, bad, redone)
+        result_lse.index_copy_(0, bad, redone_lse)
+    return result, result_lse
 
 
 def _attend_rows_one_by_one(query, k_cache, v_cache, block_tables, seq_lens, rows: list[int], query_rows: list[int],
@@ -94,49 +267,6 @@ def _attend_rows_one_by_one(query, k_cache, v_cache, block_tables, seq_lens, row
         out[token] = _attend_with_lse(q, keys, values, None, scale, softcap)[0].reshape(-1, head_dim).to(out.dtype)
 
 
-# A range of the cache is attended in place when it holds at most about twice the blocks wanted from it
-# (every block of the range is computed, wanted or not).
-_RANGE_SLACK = 2
-
-
-def _attend_in_place(q, k_cache, v_cache, blocks, mask, scale: float, softcap: float, partial, lse) -> torch.Tensor:
-    """Attend pairs straight from the cache, without copying their blocks: the cache rows `lo:hi`
-    spanning the blocks are one batch of a single attention call, each block paired with its row's
-    query (zeros elsewhere) and its additive `mask` (`[pairs, block_size]`, -inf at invalid slots).
-    Returns which pairs were done.
-
-    A block that several rows share (a common prefix) is done here for its first row only. The
-    unwritten slots of a sequence's last block hold whatever an earlier owner left, and a NaN or inf
-    there poisons its row's softmax even where masked (0 x inf): a pair whose result is not finite is
-    left to the copies, which zero those slots.
-    """
-    if softcap > 0 or q.device.type != "cpu":  # the CPU flash kernel has no softcap
-        return torch.zeros_like(blocks, dtype=torch.bool)
-    order = torch.argsort(blocks, stable=True)
-    ordered = blocks.index_select(0, order)
-    done = torch.ones_like(blocks, dtype=torch.bool)
-    done[order[1:]] = ordered[1:] != ordered[:-1]
-    pick = done.nonzero().squeeze(1)
-    chosen = blocks.index_select(0, pick)
-    lo, hi = int(chosen.min()), int(chosen.max()) + 1
-    if hi - lo > _RANGE_SLACK * pick.numel() + 16:
-        return done & False
-    offsets = chosen - lo
-    query = q.new_zeros((hi - lo, *q.shape[1:])).index_copy_(0, offsets, q.index_select(0, pick))
-    range_mask = q.new_zeros((hi - lo, mask.shape[1])).index_copy_(0, offsets, mask.index_select(0, pick))
-    keys, values = k_cache[lo:hi].transpose(1, 2), v_cache[lo:hi].transpose(1, 2)
-    out, range_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, keys, values, attn_mask=range_mask[:, None, None, :], scale=scale)
-    out = out.index_select(0, offsets)
-    # A sum is not finite iff some term is not (or it overflows: then the copy just redoes it); cheaper
-    # than an elementwise isfinite over every output.
-    finite = torch.isfinite(out.flatten(1).sum(1))
-    done[pick] = finite
-    partial.index_copy_(0, pick, out)
-    lse.index_copy_(0, pick, range_lse.float().index_select(0, offsets))
-    return done
-
-
 # Pairs not done in place are attended over copies of their blocks, at most this many bytes of K (and of V)
 # per call: small enough that the attention reads the copy back from the CPU's caches and that the copy
 # reuses freed heap pages (glibc serves larger copies from fresh pages the kernel faults in on every call:
@@ -144,20 +274,26 @@ def _attend_in_place(q, k_cache, v_cache, blocks, mask, scale: float, softcap: f
 _COPY_BYTES = 2 << 20
 
 
-def _attend_copies(q, k_cache, v_cache, blocks, valid, mask, pairs: torch.Tensor, scale: float, softcap: float,
-                   partial, lse) -> None:
-    """Attend `pairs` over copies of their blocks, the unwritten slots zeroed in the copy and masked."""
+def _attend_copies(query, k_cache, v_cache, blocks: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
+                   scale: float, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs (`blocks[i]` attended by the query of token `tokens[i]`, masked by `mask[i]`) over copies of
+    their blocks, the masked slots zeroed in the copy: outputs `[C, kv_heads, group, head_dim]` and
+    float32 log-sum-exps `[C, kv_heads, group]`."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     per_call = max(1, _COPY_BYTES // (k_cache[0].numel() * k_cache.element_size()))
-    for chunk in pairs.split(per_call):
-        chunk_blocks = blocks.index_select(0, chunk)
-        chunk_valid = valid.index_select(0, chunk)
-        keys, values = gather_blocks(k_cache, chunk_blocks), gather_blocks(v_cache, chunk_blocks)
-        keys.masked_fill_(~chunk_valid[:, :, None, None], 0)
-        values.masked_fill_(~chunk_valid[:, :, None, None], 0)
-        out, chunk_lse = _attend_with_lse(q.index_select(0, chunk), keys.transpose(1, 2), values.transpose(1, 2),
-                                          mask.index_select(0, chunk)[:, None, None, :], scale, softcap)
-        partial.index_copy_(0, chunk, out)
-        lse.index_copy_(0, chunk, chunk_lse)
+    outs, lses = [], []
+    for start in range(0, blocks.numel(), per_call):
+        chunk = slice(start, start + per_call)
+        chunk_mask = mask[chunk]
+        hidden = (chunk_mask != 0)[:, :, None, None]
+        keys = gather_blocks(k_cache, blocks[chunk]).masked_fill_(hidden, 0)
+        values = gather_blocks(v_cache, blocks[chunk]).masked_fill_(hidden, 0)
+        q = query.index_select(0, tokens[chunk]).view(keys.shape[0], num_kv_heads, -1, head_dim)
+        result, result_lse = _attend_with_lse(q, keys.transpose(1, 2), values.transpose(1, 2),
+                                              chunk_mask[:, None, None, :], scale, softcap)
+        outs.append(result)
+        lses.append(result_lse)
+    return (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
 
 
 def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -177,13 +313,8 @@ def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return torch.matmul(torch.exp(scores - lse[..., None]), v.float()).to(q.dtype), lse
 
 
-def _merge(partial: torch.Tensor, lse: torch.Tensor, owner: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Each row's softmax-weighted mean of its blocks' partial outputs `[N, H, G, D]` (flash-decoding's merge)."""
-    index = owner.view(-1, 1, 1).expand_as(lse)
-    peak = torch.full((num_rows, *lse.shape[1:]), float("-inf"), device=lse.device)
-    peak.scatter_reduce_(0, index, lse, "amax", include_self=True)
-    weight = torch.exp(lse - peak.index_select(0, owner))
-    total = torch.zeros_like(peak).index_add_(0, owner, weight)
-    merged = torch.zeros((num_rows, *partial.shape[1:]), device=partial.device)
-    merged.index_add_(0, owner, partial.float() * weight[..., None])
-    return merged / total[..., None]
+def _merge(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Each row's softmax-weighted mean of its cells' partial outputs `[R, W, H, G, D]`, whose log-sum-exps
+    are `lse` `[R, W, H, G]` (flash-decoding's merge)."""
+    weight = torch.exp(lse - lse.amax(1, keepdim=True))
+    return (partial.float() * weight[..., None]).sum(1) / weight.sum(1)[..., None]

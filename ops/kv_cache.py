@@ -24,15 +24,28 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     return torch.empty((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype, device=device).transpose(1, 2)
 
 
-def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store `key`/`value` (`[T, num_kv_heads, head_dim]`) at their slots; slot -1 is skipped."""
+def kv_slots(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """`slot_mapping` resolved for `write_kv_cache`: the tokens that are written (None: all of them),
+    and their blocks and offsets in the block. The same for every layer of a step."""
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
-    k_cache.index_put_((blocks, offsets), key[valid].to(k_cache.dtype))
-    v_cache.index_put_((blocks, offsets), value[valid].to(v_cache.dtype))
+    if bool(valid.all()):
+        return None, slot_mapping // block_size, slot_mapping % block_size
+    tokens = valid.nonzero().squeeze(1)
+    slots = slot_mapping.index_select(0, tokens)
+    return tokens, slots // block_size, slots % block_size
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    slots: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Store `key`/`value` (`[T, num_kv_heads, head_dim]`) at their slots; slot -1 is skipped. `slots`:
+    `kv_slots(slot_mapping, block_size)`, when the caller has it already."""
+    tokens, blocks, offsets = kv_slots(slot_mapping, k_cache.shape[1]) if slots is None else slots
+    if tokens is not None:
+        key, value = key.index_select(0, tokens), value.index_select(0, tokens)
+    k_cache.index_put_((blocks, offsets), key.to(k_cache.dtype))
+    v_cache.index_put_((blocks, offsets), value.to(v_cache.dtype))
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

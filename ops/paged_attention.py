@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgen.ops.decode_attention import attend_decode_rows
-from fastgen.ops.kv_cache import gather_blocks, write_kv_cache
+from fastgen.ops.kv_cache import gather_blocks, kv_slots, write_kv_cache
 from fastgen.ops.triton_attention import triton_paged_attention
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ def torch_paged_attention(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    step_plans: dict | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend over each sequence's blocks (plain torch: the
     CPU path, and the backend "torch" anywhere).
@@ -89,20 +90,25 @@ def torch_paged_attention(
     `query` is `[T, num_q_heads, head_dim]`, `key`/`value` `[T, num_kv_heads, head_dim]`; the
     metadata is that of `AttentionMetadata`. `sliding_window` 0 means full attention; `softcap`
     0 means no tanh soft-capping of the scores. Returns `[T, num_q_heads, head_dim]`, zeros for
-    padded tokens.
+    padded tokens. `step_plans` (`AttentionMetadata.step_plans`): what the first layer of a step
+    works out from the metadata, kept for the other layers; None works it out for this call only.
     """
+    plans = {} if step_plans is None else step_plans
+    if "offsets" not in plans:
+        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+        # One query token (a decode, or a one-token prompt chunk): attended block by block, all rows at once.
+        single = [s for s, n in enumerate(lens) if n > 0 and starts[s + 1] - starts[s] == 1]
+        plans["offsets"] = starts, lens, single
+        plans["slots"] = kv_slots(slot_mapping, k_cache.shape[1])
+    starts, lens, single = plans["offsets"]
     # Every token's K/V is written before any sequence attends: a sequence admitted with a prefix-cache
     # hit may read blocks that another sequence of the same step is filling right now.
-    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plans["slots"])
     out = torch.zeros_like(query)
     block_size = k_cache.shape[1]
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    # One query token (a decode, or a one-token prompt chunk): attended block by block, all rows at once.
-    single = [s for s, n in enumerate(lens) if n > 0 and starts[s + 1] - starts[s] == 1]
     if single:
         attend_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, single, [starts[s] for s in single],
-                           scale, sliding_window, softcap, out)
+                           scale, sliding_window, softcap, out, plans)
     for s, seq_len in enumerate(lens):
         q_start, q_end = starts[s], starts[s + 1]
         if seq_len <= 0 or q_end - q_start <= 1:
@@ -157,6 +163,12 @@ def attention(
 ) -> torch.Tensor:
     """What model code calls: paged attention of one layer through `attn_metadata.backend`."""
     md = attn_metadata
+    torch_path = md.backend == "torch" or (md.backend == "auto" and query.device.type != "cuda")
+    if torch_path and not torch.compiler.is_compiling():
+        # Eager: straight to the implementation, which keeps what one layer works out from the metadata
+        # for the step's other layers (a compiled graph calls the op, which works it out per layer).
+        return torch_paged_attention(query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping, md.block_tables,
+                                     md.seq_lens, md.query_start_loc, scale, sliding_window, softcap, md.step_plans)
     if attn_metadata.backend == "auto":
         op = paged_attention
     elif attn_metadata.backend == "torch":

@@ -62,6 +62,12 @@ class _Harness:
 
     def step(self, chunks: list[tuple[_Seq, int]], pad_tokens: int = 0, pad_rows: int = 0, op=TORCH_OP) -> None:
         """Run one op call for `(seq, num_new)` chunks plus padding, and check outputs and cache."""
+        args = self.step_args(chunks, pad_tokens, pad_rows)
+        expected = paged_attention_oracle(*args)  # before the call writes the caches
+        self.check(expected, args, op(*args), sum(n for _, n in chunks))
+
+    def step_args(self, chunks: list[tuple[_Seq, int]], pad_tokens: int = 0, pad_rows: int = 0) -> tuple:
+        """The op's arguments for `(seq, num_new)` chunks plus padding (the sequences grow by their chunks)."""
         num_real = sum(n for _, n in chunks)
         total = num_real + pad_tokens
         query = self._randn(total, self.num_q_heads, self.head_dim)
@@ -89,13 +95,15 @@ class _Harness:
         args = (query, key, value, self.k_cache, self.v_cache, torch.tensor(slots, dtype=torch.int64), tables,
                 torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
                 self.scale, self.window, self.softcap)
+        return args
 
-        expected, expected_k, expected_v = paged_attention_oracle(*args)
-        out = op(*args)
-
+    def check(self, expected: tuple, args: tuple, out: torch.Tensor, num_real: int) -> None:
+        """`out` and the caches of `args` after the call against `expected`, the oracle's answer for `args`."""
+        query, k_cache, v_cache = args[0], args[3], args[4]
+        expected, expected_k, expected_v = expected
         assert out.shape == query.shape and out.dtype == self.dtype
-        torch.testing.assert_close(self.k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
-        torch.testing.assert_close(self.v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
         assert torch.count_nonzero(out[num_real:]) == 0, "padded tokens must give zeros"
         tol = dict(rtol=2e-5, atol=2e-5) if self.dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
         torch.testing.assert_close(out.double(), expected, **tol)
@@ -199,14 +207,13 @@ def test_decode_blocks_read_in_place_and_from_copies(shuffle, num_blocks, stale,
     counts = {"in_place": 0, "copied": 0}
     in_place, copies = module._attend_in_place, module._attend_copies
 
-    def count_in_place(*args):
-        done = in_place(*args)
-        counts["in_place"] += int(done.sum())
-        return done
+    def count_in_place(stretch, *args):
+        counts["in_place"] += stretch.src.numel()
+        return in_place(stretch, *args)
 
-    def count_copies(q, k_cache, v_cache, blocks, valid, mask, pairs, *rest):
-        counts["copied"] += pairs.numel()
-        return copies(q, k_cache, v_cache, blocks, valid, mask, pairs, *rest)
+    def count_copies(query, k_cache, v_cache, blocks, *rest):
+        counts["copied"] += blocks.numel()
+        return copies(query, k_cache, v_cache, blocks, *rest)
 
     monkeypatch.setattr(module, "_attend_in_place", count_in_place)
     monkeypatch.setattr(module, "_attend_copies", count_copies)
@@ -222,6 +229,36 @@ def test_decode_blocks_read_in_place_and_from_copies(shuffle, num_blocks, stale,
         h.step([(s, 1) for s in seqs], pad_tokens=1, pad_rows=1)
     assert (counts["in_place"] > 0) == (not shuffle)
     assert (counts["copied"] > 0) == (stale == "nan")
+
+
+def test_layers_of_a_step_share_its_plans(monkeypatch):
+    """Eager attention works a step's decode plan out once per setting and every layer reuses it: three
+    layers over caches of their own (the second with a sliding window) through one metadata, each
+    equal to the oracle, and two plans built."""
+    import fastgen.ops.decode_attention as module
+
+    planned = []
+    plan = module.plan_decode_rows
+
+    def count_plans(*args):
+        planned.append(args[5])  # the sliding window
+        return plan(*args)
+
+    monkeypatch.setattr(module, "plan_decode_rows", count_plans)
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, num_blocks=64, seed=21)
+    seqs = [_Seq() for _ in range(6)]
+    h.step([(s, n) for s, n in zip(seqs, [9, 14, 3, 21, 8, 12])])
+    planned.clear()
+    args = h.step_args([(s, 1) for s in seqs], pad_tokens=1, pad_rows=1)
+    query, key, value, _, _, slots, tables, seq_lens, starts = args[:9]
+    metadata = fastgen.ops.AttentionMetadata(slots, tables, seq_lens, starts)
+    for layer, window in enumerate([0, 5, 0]):
+        caches = (h.k_cache * (layer + 1), h.v_cache - layer)
+        layer_args = (query, key, value, *caches, slots, tables, seq_lens, starts, h.scale, window, 0.0)
+        expected = paged_attention_oracle(*layer_args)
+        out = fastgen.ops.attention(query, key, value, caches, metadata, h.scale, window)
+        h.check(expected, layer_args, out, len(seqs))
+    assert planned == [0, 5]
 
 
 # The Triton kernel, under the interpreter ---------------------------------------------------------
