@@ -104,8 +104,13 @@ def attend_decode_rows(
     `plans`: this step's plans by their settings, shared by its layers (None: plan for this call only).
     """
     if len(rows) <= _FEW_ROWS:
-        _attend_rows_one_by_one(query, k_cache, v_cache, block_tables, seq_lens, rows, query_rows, scale,
-                                sliding_window, softcap, out)
+        key = ("few", k_cache.shape[1], sliding_window)
+        spans = None if plans is None else plans.get(key)
+        if spans is None:
+            spans = _visible_spans(block_tables, seq_lens, rows, query_rows, k_cache.shape[1], sliding_window)
+            if plans is not None:
+                plans[key] = spans
+        _attend_rows_one_by_one(query, k_cache, v_cache, spans, scale, softcap, out)
         return
     in_place = softcap == 0 and query.device.type == "cpu"  # the CPU flash kernel has no softcap
     key = (k_cache.shape[1], sliding_window, in_place, query.dtype)
@@ -251,18 +256,29 @@ def _attend_in_place(stretch: CacheRange, query, k_cache, v_cache, scale: float,
     return result, result_lse
 
 
-def _attend_rows_one_by_one(query, k_cache, v_cache, block_tables, seq_lens, rows: list[int], query_rows: list[int],
-                            scale: float, sliding_window: int, softcap: float, out) -> None:
-    """Each row's query over a copy of exactly its visible keys (the window's, if any): no mask, no merge."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+def _visible_spans(block_tables, seq_lens, rows: list[int], query_rows: list[int], block_size: int,
+                   sliding_window: int) -> list[tuple[int, list[int], int, int]]:
+    """Per row: its token, the cache blocks holding its visible keys (the window's, if any), and where
+    those keys start and stop in the blocks' concatenation."""
+    tables, lens = block_tables.tolist(), seq_lens.tolist()
+    spans = []
     for row, token in zip(rows, query_rows):
-        seq_len = int(seq_lens[row])
+        seq_len = lens[row]
         first = max(0, seq_len - sliding_window) if sliding_window > 0 else 0
-        blocks = block_tables[row, first // block_size: -(-seq_len // block_size)].long()
-        start, stop = first - first // block_size * block_size, seq_len - first // block_size * block_size
-        # [blocks, block_size, heads, dim] -> [heads, blocks x block_size, dim]: one copy whatever the storage order.
-        keys, values = (gather_blocks(cache, blocks).permute(2, 0, 1, 3).reshape(num_kv_heads, -1, head_dim)
-                        [None, :, start:stop] for cache in (k_cache, v_cache))
+        first_block = first // block_size
+        blocks = tables[row][first_block: -(-seq_len // block_size)]
+        spans.append((token, blocks, first - first_block * block_size, seq_len - first_block * block_size))
+    return spans
+
+
+def _attend_rows_one_by_one(query, k_cache, v_cache, spans: list[tuple[int, list[int], int, int]], scale: float,
+                            softcap: float, out) -> None:
+    """Each row's query over a copy of exactly its visible keys (`_visible_spans`): no mask, no merge."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    for token, blocks, start, stop in spans:
+        # One copy, block by block: [heads, block_size, dim] per block (contiguous in the head-major layout).
+        keys, values = (torch.cat([cache[b].transpose(0, 1) for b in blocks], dim=1)[None, :, start:stop]
+                        for cache in (k_cache, v_cache))
         q = query[token].view(1, num_kv_heads, -1, head_dim)
         out[token] = _attend_with_lse(q, keys, values, None, scale, softcap)[0].reshape(-1, head_dim).to(out.dtype)
 

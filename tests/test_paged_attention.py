@@ -231,22 +231,24 @@ def test_decode_blocks_read_in_place_and_from_copies(shuffle, num_blocks, stale,
     assert (counts["copied"] > 0) == (stale == "nan")
 
 
-def test_layers_of_a_step_share_its_plans(monkeypatch):
+@pytest.mark.parametrize("num_rows, planner", [(6, "plan_decode_rows"), (2, "_visible_spans")],
+                         ids=["batched", "one_by_one"])
+def test_layers_of_a_step_share_its_plans(num_rows, planner, monkeypatch):
     """Eager attention works a step's decode plan out once per setting and every layer reuses it: three
     layers over caches of their own (the second with a sliding window) through one metadata, each
-    equal to the oracle, and two plans built."""
+    equal to the oracle, and two plans built (for many rows or for the few attended one by one)."""
     import fastgen.ops.decode_attention as module
 
     planned = []
-    plan = module.plan_decode_rows
+    plan = getattr(module, planner)
 
     def count_plans(*args):
         planned.append(args[5])  # the sliding window
         return plan(*args)
 
-    monkeypatch.setattr(module, "plan_decode_rows", count_plans)
+    monkeypatch.setattr(module, planner, count_plans)
     h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, num_blocks=64, seed=21)
-    seqs = [_Seq() for _ in range(6)]
+    seqs = [_Seq() for _ in range(num_rows)]
     h.step([(s, n) for s, n in zip(seqs, [9, 14, 3, 21, 8, 12])])
     planned.clear()
     args = h.step_args([(s, 1) for s in seqs], pad_tokens=1, pad_rows=1)
