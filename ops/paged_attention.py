@@ -166,9 +166,12 @@ def attention(
     torch_path = md.backend == "torch" or (md.backend == "auto" and query.device.type != "cuda")
     if torch_path and not torch.compiler.is_compiling():
         # Eager: straight to the implementation, which keeps what one layer works out from the metadata
-        # for the step's other layers (a compiled graph calls the op, which works it out per layer).
-        return torch_paged_attention(query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping, md.block_tables,
-                                     md.seq_lens, md.query_start_loc, scale, sliding_window, softcap, md.step_plans)
+        # for the step's other layers (a compiled graph calls the op, which works it out per layer). Named
+        # as the op in profiles, so traces read the same either way.
+        with torch.profiler.record_function("fastgen::paged_attention_torch"):
+            return torch_paged_attention(query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping,
+                                         md.block_tables, md.seq_lens, md.query_start_loc, scale, sliding_window,
+                                         softcap, md.step_plans)
     if attn_metadata.backend == "auto":
         op = paged_attention
     elif attn_metadata.backend == "torch":
