@@ -123,9 +123,10 @@ def attend_decode_rows(
     attend_planned(plan, query, k_cache, v_cache, scale, softcap, out)
 
 
-# At most this many rows are attended one by one: the batched path's ~70 small tensor ops per layer cost
-# ~1 ms, more than a few rows' own gathers and attention calls (measured on a 2-core EPYC, fp32, rows of
-# 3 blocks: 1 row 0.38 vs 1.03 ms, 2 rows 0.71 vs 1.14, 4 rows 1.15 vs 1.18, 8 rows 2.31 vs 1.60).
+# At most this many rows are attended one by one: the batched path's small tensor ops per layer cost more
+# than a few rows' own copies and attention calls (measured on a 2-core EPYC, fp32, rows of 3 blocks, before
+# either path was planned once per step: 1 row 0.38 vs 1.03 ms, 2 rows 0.71 vs 1.14, 4 rows 1.15 vs 1.18,
+# 8 rows 2.31 vs 1.60).
 _FEW_ROWS = 3
 
 # A stretch of the cache ends where more than this many unwanted blocks lie between two wanted ones
@@ -185,10 +186,10 @@ def _stretches(blocks: torch.Tensor) -> list[torch.Tensor]:
     """The pairs read in place, as index tensors into `blocks`, one per stretch of the cache, each in
     block order: the first pair of every distinct block, cut where the gaps between blocks grow large."""
     order = torch.argsort(blocks, stable=True).tolist()
-    ordered = blocks.tolist()
+    block_ids = blocks.tolist()
     stretches, current, last = [], [], None
     for pair in order:
-        block = ordered[pair]
+        block = block_ids[pair]
         if block == last:  # a block shared with an earlier row: that row reads it in place
             continue
         if last is not None and block - last > _MAX_GAP + 1:
@@ -237,6 +238,7 @@ def _attend_in_place(stretch: CacheRange, query, k_cache, v_cache, scale: float,
     finite is redone over a copy, which zeroes those slots.
     """
     n, num_kv_heads, head_dim = stretch.hi - stretch.lo, k_cache.shape[2], k_cache.shape[3]
+    # The query heads sharing a KV head become query rows of that head, so each K/V head is read once.
     q = query.index_select(0, stretch.tokens).view(n, num_kv_heads, group, head_dim)
     keys = k_cache[stretch.lo:stretch.hi].transpose(1, 2)
     values = v_cache[stretch.lo:stretch.hi].transpose(1, 2)
