@@ -103,24 +103,20 @@ def attend_decode_rows(
     (`[T, num_q_heads, head_dim]`) and `out`. The K/V of this step must already be in the cache.
     `plans`: this step's plans by their settings, shared by its layers (None: plan for this call only).
     """
+    plans = {} if plans is None else plans
+    block_size = k_cache.shape[1]
     if len(rows) <= _FEW_ROWS:
-        key = ("few", k_cache.shape[1], sliding_window)
-        spans = None if plans is None else plans.get(key)
-        if spans is None:
-            spans = _visible_spans(block_tables, seq_lens, rows, query_rows, k_cache.shape[1], sliding_window)
-            if plans is not None:
-                plans[key] = spans
-        _attend_rows_one_by_one(query, k_cache, v_cache, spans, scale, softcap, out)
+        key = ("few", block_size, sliding_window)
+        if key not in plans:
+            plans[key] = _visible_spans(block_tables, seq_lens, rows, query_rows, block_size, sliding_window)
+        _attend_rows_one_by_one(query, k_cache, v_cache, plans[key], scale, softcap, out)
         return
     in_place = softcap == 0 and query.device.type == "cpu"  # the CPU flash kernel has no softcap
-    key = (k_cache.shape[1], sliding_window, in_place, query.dtype)
-    plan = None if plans is None else plans.get(key)
-    if plan is None:
-        plan = plan_decode_rows(block_tables, seq_lens, rows, query_rows, k_cache.shape[1], sliding_window, in_place,
-                                query.dtype)
-        if plans is not None:
-            plans[key] = plan
-    attend_planned(plan, query, k_cache, v_cache, scale, softcap, out)
+    key = ("batched", block_size, sliding_window, in_place, query.dtype)
+    if key not in plans:
+        plans[key] = plan_decode_rows(block_tables, seq_lens, rows, query_rows, block_size, sliding_window, in_place,
+                                      query.dtype)
+    attend_planned(plans[key], query, k_cache, v_cache, scale, softcap, out)
 
 
 # At most this many rows are attended one by one: the batched path's small tensor ops per layer cost more
@@ -156,7 +152,8 @@ def plan_decode_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: l
     slot = position[:, None] * block_size + torch.arange(block_size, device=device)
     valid = (slot < lens[owner, None]) & (slot >= first_pos[owner, None])
     mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))
-    tokens = torch.tensor(query_rows, device=device).index_select(0, owner)
+    row_tokens = torch.tensor(query_rows, device=device)
+    tokens = row_tokens.index_select(0, owner)
     cell = position - first_block.index_select(0, owner)
     width = int(cell.max()) + 1
     dst = owner * width + cell
@@ -178,7 +175,7 @@ def plan_decode_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: l
     if rest.numel():
         copies = CopiedPairs(blocks=blocks.index_select(0, rest), tokens=tokens.index_select(0, rest),
                              mask=mask.index_select(0, rest), dst=dst.index_select(0, rest))
-    return DecodePlan(row_tokens=torch.tensor(query_rows, device=device), width=width,
+    return DecodePlan(row_tokens=row_tokens, width=width,
                       full=owner.numel() == len(rows) * width, ranges=ranges, copies=copies)
 
 
