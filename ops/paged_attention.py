@@ -93,6 +93,9 @@ def torch_paged_attention(
     padded tokens. `step_plans` (`AttentionMetadata.step_plans`): what the first layer of a step
     works out from the metadata, kept for the other layers; None works it out for this call only.
     """
+    # The CPU flash kernel reads each head's vector as if its elements were adjacent, whatever the
+    # strides say (torch 2.13: a query with a last-dim stride of 2 gave wrong outputs, no error).
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     plans = {} if step_plans is None else step_plans
     if "offsets" not in plans:
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()

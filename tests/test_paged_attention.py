@@ -172,6 +172,33 @@ def test_softcap(softcap, window, dtype):
     _run_batch(h, "mixed", seed=int(softcap * 10) + window, pad_tokens=1, pad_rows=1)
 
 
+def _strided(t: torch.Tensor, how: str) -> torch.Tensor:
+    """`t`'s values in a non-contiguous layout: every other element of a wider buffer ("gapped"), or
+    token-minor as a transposed `[T, heads * dim]` matrix ("transposed", a permuted matmul's output)."""
+    if how == "gapped":
+        wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)[..., ::2]
+    else:
+        wide = torch.empty(t.shape[1] * t.shape[2], t.shape[0], dtype=t.dtype).t().view(t.shape)
+    return wide.copy_(t)
+
+
+@pytest.mark.parametrize("how", ["gapped", "transposed"])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_strided_inputs_equal_contiguous_ones(how, kind):
+    # The CPU flash kernel ignores the last dimension's stride: the op must not hand it such a view.
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=64, seed=7)
+    rng = torch.Generator().manual_seed(3)
+    lens = [int(torch.randint(1, 12, (), generator=rng)) for _ in range(5)]
+    seqs = [_Seq() for _ in lens]
+    h.step([(s, n) for s, n in zip(seqs, lens)])
+    chunks = [(s, 1 if kind == "decode" or i % 2 else 5) for i, s in enumerate(seqs)]
+    args = h.step_args(chunks)
+    expected = paged_attention_oracle(*args)
+    strided = tuple(_strided(t, how) for t in args[:3])
+    assert all(not t.is_contiguous() for t in strided)
+    h.check(expected, args, TORCH_OP(*strided, *args[3:]), sum(n for _, n in chunks))
+
+
 def test_long_decode_chain_over_many_blocks():
     """Prefill in chunks, then decode token by token, the cache reused across calls."""
     h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=1, head_dim=64, window=7, seed=3)
