@@ -6,6 +6,11 @@ the same weight in oneDNN's blocked layout, and the plain weight is dropped, so 
 The LM head is packed too (`PackedLMHead`): it multiplies every sampled row by the whole vocabulary.
 A tied head keeps the embedding's plain weight beside the packed copy (the lookup needs it), so
 tying costs one more vocabulary x hidden matrix; an untied head drops its plain weight.
+
+Inputs of a few rows (batch-1 decode) multiply faster over the plain weight split over the cores
+(`fastgen.ops.gemv`) than through the packed kernel; `packed_linear` does so when given that weight.
+A tied head gives it the embedding's weight, kept anyway; the other linears keep their plain weight
+for it only when asked (`gemv=True`, the plan's `gemv_weights`), a second copy of their weights.
 """
 
 from __future__ import annotations
@@ -15,17 +20,25 @@ from torch import nn
 
 from fastgen.models.parallel import SINGLE, ParallelLMHead, RowParallelLinear, all_reduce
 from fastgen.models.quant import quantizable_linears
+from fastgen.ops.gemv import gemv_groups, group_weight
 from fastgen.ops.packed_linear import pack_linear_weight, packed_linear
+
+
+def _grouped(weight: torch.Tensor | None, threads: int) -> torch.Tensor | None:
+    """`weight` viewed for `gemv_linear` over `threads` cores (None stays None)."""
+    return None if weight is None else group_weight(weight.detach(), gemv_groups(weight.shape[0], threads))
 
 
 class PackedLinear(nn.Module):
     """A loaded linear (plain, merged column-parallel or row-parallel) over a prepacked weight.
 
     Keeps the layer's bias and tensor-parallel behaviour: a row-parallel layer of several ranks sums
-    the partial products first and adds its bias after, as `RowParallelLinear` does.
+    the partial products first and adds its bias after, as `RowParallelLinear` does. With `gemv`
+    it also keeps the plain weight, which inputs of a few rows multiply over (`gemv_linear`, its
+    output rows split over `threads` cores).
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, gemv: bool = False, threads: int = 1) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.tp = getattr(linear, "tp", SINGLE)
@@ -33,26 +46,32 @@ class PackedLinear(nn.Module):
         # A buffer, not an attribute: regional compilation then passes it as a graph input, so the
         # layers keep sharing one graph.
         self.register_buffer("packed_weight", pack_linear_weight(linear.weight), persistent=False)
+        self.register_buffer("gemv_weight", _grouped(linear.weight if gemv else None, threads), persistent=False)
         self.bias = linear.bias
         if hasattr(linear, "output_sizes"):
             self.output_sizes = linear.output_sizes
 
     def extra_repr(self) -> str:
         """Sizes shown by `print(model)`."""
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+        gemv = ", gemv" if self.gemv_weight is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed{gemv}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T (+ bias)` over the last dimension of `x` (this rank's input columns if row-parallel)."""
         if not self.reduce:
-            return packed_linear(x, self.packed_weight, self.bias, self.out_features)
-        out = all_reduce(packed_linear(x, self.packed_weight, None, self.out_features), self.tp)
+            return packed_linear(x, self.packed_weight, self.bias, self.out_features, self.gemv_weight)
+        out = all_reduce(packed_linear(x, self.packed_weight, None, self.out_features, self.gemv_weight), self.tp)
         return out if self.bias is None else out + self.bias
 
 
 class PackedLMHead(nn.Module):
-    """A loaded `ParallelLMHead` over a prepacked weight; `logits` as the head's (fp32, rank 0 only)."""
+    """A loaded `ParallelLMHead` over a prepacked weight; `logits` as the head's (fp32, rank 0 only).
 
-    def __init__(self, head: ParallelLMHead, tied: bool) -> None:
+    A few sampled rows multiply over the plain weight instead (`gemv_linear` over `threads` cores):
+    a tied head's, which the embedding keeps anyway, or with `gemv` an untied head's, then kept too.
+    """
+
+    def __init__(self, head: ParallelLMHead, tied: bool, gemv: bool = False, threads: int = 1) -> None:
         super().__init__()
         self.tp = head.tp
         self.vocab_size = head.vocab_size
@@ -60,25 +79,29 @@ class PackedLMHead(nn.Module):
         self.register_buffer("packed_weight", pack_linear_weight(head.weight), persistent=False)
         # Tied: the embedding owns the plain weight; keep the reference so `tie_weights` still finds it.
         self.weight = head.weight if tied else None
+        self.register_buffer("gemv_weight", _grouped(head.weight if tied or gemv else None, threads),
+                             persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary rows of the logits, in the hidden dtype (what `nn.Linear` returns)."""
-        return packed_linear(hidden, self.packed_weight, None, self.out_features)
+        return packed_linear(hidden, self.packed_weight, None, self.out_features, self.gemv_weight)
 
     # The head's own gather-to-rank-0 and fp32 cast, over this module's `forward`.
     logits = ParallelLMHead.logits
 
 
 @torch.no_grad()
-def prepack_linears(model: nn.Module) -> list[str]:
+def prepack_linears(model: nn.Module, gemv: bool = False, threads: int | None = None) -> list[str]:
     """Replace the decoder layers' plain linears and the LM head of a loaded CPU model by packed ones,
     in place; returns their names. Quantized linears and other linears outside the layers are left
-    as they are."""
+    as they are. `gemv`: keep the plain weights too, for inputs of a few rows, split over `threads`
+    cores (default: torch's intra-op threads now)."""
+    threads = torch.get_num_threads() if threads is None else threads
     targets: dict[str, nn.Module] = dict(quantizable_linears(model))
     heads = {name: m for name, m in model.named_modules() if isinstance(m, ParallelLMHead)}
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     for name, module in {**targets, **heads}.items():
         parent_name, _, child = name.rpartition(".")
-        packed = PackedLMHead(module, tied) if name in heads else PackedLinear(module)
+        packed = PackedLMHead(module, tied, gemv, threads) if name in heads else PackedLinear(module, gemv, threads)
         setattr(model.get_submodule(parent_name), child, packed)
     return [*targets, *heads]

@@ -8,18 +8,24 @@ without that copy. Measured on a 2-core AMD EPYC (AVX2, fp32, the SmolLM2-135M s
 summation order (a few 1e-6 relative in fp32).
 
 `fastgen::packed_linear` is a custom op so `torch.compile` passes the packed weight (an opaque
-oneDNN tensor, which Inductor cannot lower) straight to the kernel.
+oneDNN tensor, which Inductor cannot lower) straight to the kernel. Given the plain weight too, as
+`fastgen.ops.gemv.group_weight`'s view, an input of at most `GEMV_MAX_ROWS` rows multiplies over
+that instead (`gemv_linear`: faster at a few rows). The op picks at run time, so a compiled graph
+with a symbolic row count serves both without a recompile.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fastgen.ops.gemv import GEMV_MAX_ROWS, gemv_linear
+
 # Same registration style as the paged-attention op: `torch.library.Library` costs ~10 us per call
 # against ~100 us for `torch.library.custom_op`'s Python wrapper. The Library object owns the
 # registrations for the life of the module.
 _LIBRARY = torch.library.Library("fastgen", "FRAGMENT")
-_LIBRARY.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
+_LIBRARY.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, "
+                "Tensor? gemv_weight=None) -> Tensor")
 
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)
 """Weight dtypes oneDNN's packed linear takes."""
@@ -42,8 +48,10 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
-def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                   out_features: int) -> torch.Tensor:
+def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                   gemv_weight: torch.Tensor | None = None) -> torch.Tensor:
+    if gemv_weight is not None and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+        return gemv_linear(x, gemv_weight, bias)
     # oneDNN wants a dense 2-d input; an empty step has nothing to multiply.
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     if flat.shape[0] == 0:
@@ -52,7 +60,7 @@ def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Ten
     return out.view(*x.shape[:-1], out_features)
 
 
-def _packed_linear_fake(x, packed_weight, bias, out_features):
+def _packed_linear_fake(x, packed_weight, bias, out_features, gemv_weight=None):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -60,5 +68,6 @@ _LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
 torch.library.register_fake("fastgen::packed_linear", _packed_linear_fake, lib=_LIBRARY)
 
 packed_linear = torch.ops.fastgen.packed_linear
-"""`fastgen::packed_linear(x, packed_weight, bias, out_features)`: `x @ W.T + bias` over the last
-dimension of `x`, where `packed_weight` is `pack_linear_weight(W)`."""
+"""`fastgen::packed_linear(x, packed_weight, bias, out_features, gemv_weight=None)`: `x @ W.T + bias`
+over the last dimension of `x`, where `packed_weight` is `pack_linear_weight(W)` and `gemv_weight`,
+if given, `group_weight(W, groups)`."""

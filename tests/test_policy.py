@@ -319,7 +319,7 @@ def test_overrides_win_and_say_so(models):
     overrides = dict(dtype=torch.float16, attention_backend="torch", compile="max-autotune", cuda_graphs=False,
                      buckets=(1, 8, 64), token_budget=128, max_seqs=32, block_size=16, kv_cache_memory=GIB,
                      tensor_parallel=2, replica_num=2, quantization="int4", quantization_group_size=64,
-                     offload="none", weight_memory=64 * GIB, weight_prepack=False)
+                     offload="none", weight_memory=64 * GIB, weight_prepack=False, gemv_weights=False)
     plan = make_plan(models["7b"], _gpus(*[H100] * 4), **overrides)
     assert plan.engine_kwargs() == overrides
     assert all(plan.reasons[name] == "set by the user" for name in overrides)

@@ -142,7 +142,7 @@ class Engine:
             quantization_group_size=plan.quantization_group_size, attention_backend=plan.attention_backend,
             buckets=tuple(buckets), compile=plan.compile, cuda_graphs=plan.cuda_graphs, num_threads=threads,
             progress=config.progress, offload=plan.offload, weight_memory=plan.weight_memory,
-            weight_prepack=plan.weight_prepack)
+            weight_prepack=plan.weight_prepack, gemv_weights=plan.gemv_weights)
         if self.tp_group is not None:
             self.tp_group.send_spec(spec)  # workers load their shards while this rank loads its own
         loaded = load_for_spec(spec, self.device, parallel, config.progress)

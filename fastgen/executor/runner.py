@@ -80,6 +80,8 @@ class RunnerSpec:
     weight_prepack: bool = False
     """Replace the decoder layers' plain linears and the LM head by oneDNN-packed ones (`fastgen.models.packed`;
     CPU)."""
+    gemv_weights: bool = False
+    """With `weight_prepack`, keep the plain weights too, for steps of a few rows (`fastgen.ops.gemv`)."""
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -122,7 +124,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.model = model
         if spec.weight_prepack:
-            prepack_linears(model)
+            prepack_linears(model, gemv=spec.gemv_weights)
         self.offload = install_offload(model, spec, device)
         """The `WeightStreamer` of a model whose layers stream from offload (None: all resident)."""
         self.config = config

@@ -130,6 +130,15 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
             copy = model.vocab_size * model.hidden_size * torch.empty((), dtype=dtype).element_size()
             weights += copy
             reasons["weight_prepack"] += f"; the tied LM head's packed copy takes {format_bytes(copy)} more"
+    gemv = pick("gemv_weights", lambda: _choose_gemv_weights(model, hardware, dtype, prepack))
+    if gemv:
+        if not prepack:
+            raise ValueError("gemv_weights=True needs weight_prepack: without it every linear already keeps its "
+                             "plain weight")
+        copy = _gemv_copy_bytes(model, dtype)
+        weights += copy
+        if "gemv_weights" in user:
+            reasons["gemv_weights"] += f"; the plain copies take {format_bytes(copy)} more"
     reasons["weight_memory"] = stream.weight_memory_reason
     compile_mode = pick("compile", lambda: _choose_compile(model, hardware, prepack))
     if stream.offload != "none" and graphs:
@@ -145,7 +154,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     return Plan(dtype=dtype, quantization=quant, quantization_group_size=group, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
                 buckets=tuple(buckets), token_budget=budget, max_seqs=max_seqs, block_size=block_size,
                 kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory,
-                weight_prepack=prepack, tensor_parallel=tp, replica_num=replicas, reasons=reasons)
+                weight_prepack=prepack, gemv_weights=gemv, tensor_parallel=tp, replica_num=replicas, reasons=reasons)
 
 
 # Decisions ------------------------------------------------------------------------------------
@@ -311,6 +320,32 @@ def _choose_weight_prepack(blocker: str | None) -> tuple[bool, str]:
         return False, blocker
     return True, ("oneDNN multiplies a weight reordered once at load instead of re-blocking it every call: 1.2-1.9x "
                   "MKL's F.linear at 8-512 rows (2-core EPYC, fp32)")
+
+
+GEMV_COPY_SHARE = 0.1
+"""The plain weights are kept beside the packed ones by default while they take at most this share of the
+available RAM."""
+
+
+def _gemv_copy_bytes(model: ModelFacts, dtype: torch.dtype) -> int:
+    """Bytes `gemv_weights` keeps besides the packed weights: the decoder layers' plain weights, and an
+    untied LM head's (a tied head's plain weight is the embedding's, kept anyway)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    head = 0 if model.config.tie_word_embeddings else model.vocab_size * model.hidden_size * itemsize
+    return model.layer_weight_bytes(dtype) + head
+
+
+def _choose_gemv_weights(model: ModelFacts, hw: Hardware, dtype: torch.dtype, prepack: bool) -> tuple[bool, str]:
+    """On with prepacking while the plain copies take at most `GEMV_COPY_SHARE` of the available RAM."""
+    if not prepack:
+        return False, "weight_prepack is off: every linear multiplies its plain weight"
+    copy = _gemv_copy_bytes(model, dtype)
+    if copy > GEMV_COPY_SHARE * hw.ram_available:
+        return False, (f"the plain copies would take {format_bytes(copy)}, over {GEMV_COPY_SHARE:.0%} of the "
+                       f"{format_bytes(hw.ram_available)} of RAM available (gemv_weights=True to keep them anyway)")
+    return True, (f"steps of at most 4 rows multiply over the plain weights ({format_bytes(copy)} more) with their "
+                  "output rows split over the cores: 1.4-2x oneDNN's packed kernel, which runs them on one core "
+                  "(2-core EPYC, fp32)")
 
 
 def _choose_cuda_graphs(hw: Hardware) -> tuple[bool, str]:
