@@ -60,7 +60,9 @@ def test_prompt_logprobs_match_hf_through_chunks_and_the_prefix_cache(pipe, hf):
                 assert abs(entry[token_id] - lp) < 1e-4
     assert [list(e) if e else e for e in again[0].prompt_logprobs] == \
         [[PROMPTS[0][p]] if p else None for p in range(len(PROMPTS[0]))]
-    assert all(abs(again[0].prompt_logprobs[p][PROMPTS[0][p]] - out[0].prompt_logprobs[p][PROMPTS[0][p]]) < 1e-5
+    # As close as each is to HF's: alone, its last 3-token chunk takes the few-row linear (`gemv_weights`),
+    # which sums in another order than the packed kernel its batched run took.
+    assert all(abs(again[0].prompt_logprobs[p][PROMPTS[0][p]] - out[0].prompt_logprobs[p][PROMPTS[0][p]]) < 1e-4
                for p in range(1, len(PROMPTS[0])))
 
 
