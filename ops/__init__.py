@@ -1,5 +1,6 @@
 """Hand-written operations: paged attention over the blocked KV cache, the KV cache's layout and write
-(`fastgen.ops.kv_cache`), and the CPU linear over oneDNN-prepacked weights (`fastgen.ops.packed_linear`)."""
+(`fastgen.ops.kv_cache`), the CPU linear over oneDNN-prepacked weights (`fastgen.ops.packed_linear`) and
+the few-row linear that splits a weight's output rows over the cores (`fastgen.ops.gemv`)."""
 
 from fastgen.ops.attention_metadata import AttentionMetadata
 from fastgen.ops.kv_cache import allocate_kv_cache, gather_blocks, write_kv_cache
