@@ -70,6 +70,10 @@ class ModelFacts:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return self.weight_bytes(dtype, quantization, group_size) - (self.num_params - self.layer_params) * itemsize
 
+    def head_weight_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one vocabulary x hidden matrix in `dtype`: the LM head's weight (or a copy of it)."""
+        return self.vocab_size * self.hidden_size * torch.empty((), dtype=dtype).element_size()
+
     def kv_bytes(self, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
         """K and V bytes of one token on one device, in `dtype`, with KV heads split over ranks."""
         return self.config.kv_bytes_per_token(dtype, tensor_parallel)

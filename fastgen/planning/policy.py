@@ -127,7 +127,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
             raise ValueError(f"weight_prepack=True cannot apply: {blocker}")
         if model.config.tie_word_embeddings:
             # The packed LM head (each rank's vocabulary rows) is a copy beside the embedding it was tied to.
-            copy = model.vocab_size * model.hidden_size * torch.empty((), dtype=dtype).element_size()
+            copy = model.head_weight_bytes(dtype)
             weights += copy
             reasons["weight_prepack"] += f"; the tied LM head's packed copy takes {format_bytes(copy)} more"
     gemv = pick("gemv_weights", lambda: _choose_gemv_weights(model, hardware, dtype, prepack))
@@ -330,8 +330,7 @@ available RAM."""
 def _gemv_copy_bytes(model: ModelFacts, dtype: torch.dtype) -> int:
     """Bytes `gemv_weights` keeps besides the packed weights: the decoder layers' plain weights, and an
     untied LM head's (a tied head's plain weight is the embedding's, kept anyway)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    head = 0 if model.config.tie_word_embeddings else model.vocab_size * model.hidden_size * itemsize
+    head = 0 if model.config.tie_word_embeddings else model.head_weight_bytes(dtype)
     return model.layer_weight_bytes(dtype) + head
 
 
