@@ -98,7 +98,7 @@ class GemmaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self._rotary[0](positions, q, k, attn_metadata.long_rope)
+        q, k = self._rotary[0](positions, q, k, attn_metadata.long_rope, attn_metadata.step_plans)
         out = attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(out.view(num_tokens, self.q_size))
 

@@ -71,7 +71,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rotary[0](positions, q, k, attn_metadata.long_rope)
+        q, k = self._rotary[0](positions, q, k, attn_metadata.long_rope, attn_metadata.step_plans)
         out = attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
         return self.o_proj(out.view(num_tokens, self.q_size))
 

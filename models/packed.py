@@ -8,7 +8,7 @@ A tied head keeps the embedding's plain weight beside the packed copy (the looku
 tying costs one more vocabulary x hidden matrix; an untied head drops its plain weight.
 
 Inputs of a few rows (batch-1 decode) multiply faster over the plain weight split over the cores
-(`fastgen.ops.gemv`) than through the packed kernel; `packed_linear` does so when given that weight.
+(`fastgen.ops.gemv`) than through the packed kernel; `apply_packed_linear` does so when given that weight.
 A tied head gives it the embedding's weight, kept anyway; the other linears keep their plain weight
 for it only when asked (`gemv=True`, the plan's `gemv_weights`), a second copy of their weights.
 """
@@ -21,7 +21,7 @@ from torch import nn
 from fastgen.models.parallel import SINGLE, ParallelLMHead, RowParallelLinear, all_reduce
 from fastgen.models.quant import quantizable_linears
 from fastgen.ops.gemv import gemv_groups, group_weight
-from fastgen.ops.packed_linear import pack_linear_weight, packed_linear
+from fastgen.ops.packed_linear import apply_packed_linear, pack_linear_weight
 
 
 def _grouped(weight: torch.Tensor | None, threads: int) -> torch.Tensor | None:
@@ -59,8 +59,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T (+ bias)` over the last dimension of `x` (this rank's input columns if row-parallel)."""
         if not self.reduce:
-            return packed_linear(x, self.packed_weight, self.bias, self.out_features, self.gemv_weight)
-        out = all_reduce(packed_linear(x, self.packed_weight, None, self.out_features, self.gemv_weight), self.tp)
+            return apply_packed_linear(x, self.packed_weight, self.bias, self.out_features, self.gemv_weight)
+        out = all_reduce(apply_packed_linear(x, self.packed_weight, None, self.out_features, self.gemv_weight), self.tp)
         return out if self.bias is None else out + self.bias
 
 
@@ -84,7 +84,7 @@ class PackedLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary rows of the logits, in the hidden dtype (what `nn.Linear` returns)."""
-        return packed_linear(hidden, self.packed_weight, None, self.out_features, self.gemv_weight)
+        return apply_packed_linear(hidden, self.packed_weight, None, self.out_features, self.gemv_weight)
 
     # The head's own gather-to-rank-0 and fp32 cast, over this module's `forward`.
     logits = ParallelLMHead.logits

@@ -59,7 +59,7 @@ class PhiAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        q, k = self._rotary[0](positions, q, k, attn_metadata.long_rope)
+        q, k = self._rotary[0](positions, q, k, attn_metadata.long_rope, attn_metadata.step_plans)
         out = attention(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
         return self.dense(out.view(num_tokens, self.q_size))
 

@@ -31,9 +31,9 @@ class AttentionMetadata:
     """bool `[T]`: the token's rotary embedding takes LongRoPE's long factors (attention itself ignores
     it; it rides here because every layer already receives this step's metadata). None: by position."""
     step_plans: dict = field(default_factory=dict)
-    """What eager attention works out from this metadata once per step and every layer reuses (host
-    copies of the offsets, the resolved KV slots, the CPU decode plans): filled by the first layer. A
-    new metadata object per step; compiled graphs never read it."""
+    """What eager layers work out from this metadata once per step and every layer reuses (host copies
+    of the offsets, the resolved KV slots, the CPU decode plans, the rotary cos/sin rows of the step's
+    positions): filled by the first layer. A new metadata object per step; compiled graphs never read it."""
 
     @property
     def num_seqs(self) -> int:

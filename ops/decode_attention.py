@@ -272,14 +272,20 @@ def _visible_spans(block_tables, seq_lens, rows: list[int], query_rows: list[int
 
 def _attend_rows_one_by_one(query, k_cache, v_cache, spans: list[tuple[int, list[int], int, int]], scale: float,
                             softcap: float, out) -> None:
-    """Each row's query over a copy of exactly its visible keys (`_visible_spans`): no mask, no merge."""
+    """Each row's query over exactly its visible keys (`_visible_spans`): no mask, no merge. The keys of a
+    row within one block are read where they lie; those of a longer row are copied into one stretch."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     for token, blocks, start, stop in spans:
-        # One copy, block by block: [heads, block_size, dim] per block (contiguous in the head-major layout).
-        keys, values = (torch.cat([cache[b].transpose(0, 1) for b in blocks], dim=1)[None, :, start:stop]
-                        for cache in (k_cache, v_cache))
+        if len(blocks) == 1:
+            # [heads, block_size, dim] is a view of the block (contiguous in the head-major layout), and the
+            # slice stops at the row's last key: no unwritten slot is read.
+            keys, values = (cache[blocks[0]].transpose(0, 1)[None, :, start:stop] for cache in (k_cache, v_cache))
+        else:
+            keys, values = (torch.cat([cache[b].transpose(0, 1) for b in blocks], dim=1)[None, :, start:stop]
+                            for cache in (k_cache, v_cache))
         q = query[token].view(1, num_kv_heads, -1, head_dim)
-        out[token] = _attend_with_lse(q, keys, values, None, scale, softcap)[0].reshape(-1, head_dim).to(out.dtype)
+        result = _attend_with_lse(q, keys, values, None, scale, softcap)[0].view(-1, head_dim)
+        out[token] = result if result.dtype == out.dtype else result.to(out.dtype)
 
 
 # Pairs not done in place are attended over copies of their blocks, at most this many bytes of K (and of V)

@@ -48,9 +48,16 @@ def gemv_linear(x: torch.Tensor, grouped_weight: torch.Tensor, bias: torch.Tenso
     `bmm` whose batch entries (output row slices) the CPU runs on separate cores."""
     groups, rows_per_group, in_features = grouped_weight.shape
     flat = x.reshape(-1, in_features)
-    columns = flat.t().unsqueeze(0).expand(groups, in_features, flat.shape[0])
-    # [groups, N / groups, M] -> [M, N]: output row n of slice g is feature g * N / groups + n. Made
-    # contiguous as `F.linear`'s output is (a copy of M x N values; none for one row): a permuted view
-    # would be a valid tensor, but kernels that ignore strides exist (see `torch_paged_attention`).
-    out = torch.bmm(grouped_weight, columns).permute(2, 0, 1).contiguous().view(*x.shape[:-1], groups * rows_per_group)
+    out_shape = (*x.shape[:-1], groups * rows_per_group)
+    # The columns keep the transposed strides even for one row: an input column of strides (0, 1, 1)
+    # took a bmm path 2.7x slower (840 against 310 us a call, 2-core EPYC).
+    out = torch.bmm(grouped_weight, flat.t().unsqueeze(0).expand(groups, in_features, flat.shape[0]))
+    if flat.shape[0] == 1:
+        # One row (batch-1 decode, the common case): [groups, N / groups, 1] is already the output's layout.
+        out = out.view(out_shape)
+    else:
+        # [groups, N / groups, M] -> [M, N]: output row n of slice g is feature g * N / groups + n. Made
+        # contiguous as `F.linear`'s output is (a copy of M x N values): a permuted view would be a valid
+        # tensor, but kernels that ignore strides exist (see `torch_paged_attention`).
+        out = out.permute(2, 0, 1).contiguous().view(out_shape)
     return out if bias is None else out + bias

@@ -44,8 +44,10 @@ def write_kv_cache(
     tokens, blocks, offsets = kv_slots(slot_mapping, k_cache.shape[1]) if slots is None else slots
     if tokens is not None:
         key, value = key.index_select(0, tokens), value.index_select(0, tokens)
-    k_cache.index_put_((blocks, offsets), key.to(k_cache.dtype))
-    v_cache.index_put_((blocks, offsets), value.to(v_cache.dtype))
+    if key.dtype != k_cache.dtype:
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    k_cache.index_put_((blocks, offsets), key)
+    v_cache.index_put_((blocks, offsets), value)
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -222,6 +222,20 @@ def test_decode_rows_share_prefix_blocks(window):
         h.step([(a, 1), (lone, 1)] + [(f, 1) for f in forks], pad_tokens=1, pad_rows=1)
 
 
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("contexts", [[5], [16], [5, 17], [1, 30, 9]], ids=["one_block", "full_block", "two",
+                                                                            "three"])
+def test_few_decode_rows_over_one_block_or_several(contexts, window):
+    """Up to three decode rows are attended one by one: a row within one block reads that block where it
+    lies (a view stopping at its last key: the NaN in the block's unwritten slots must not reach it), a
+    longer row a copy of its blocks. Each step grows the rows by a token, across a block boundary too."""
+    h = _Harness(block_size=16, num_q_heads=6, num_kv_heads=2, head_dim=32, window=window, seed=len(contexts))
+    seqs = [_Seq() for _ in contexts]
+    h.step([(s, n) for s, n in zip(seqs, contexts)])
+    for _ in range(3):
+        h.step([(s, 1) for s in seqs], pad_tokens=1)
+
+
 @pytest.mark.parametrize("shuffle, num_blocks, stale", [(False, 48, "nan"), (False, 48, "finite"), (True, 400, "nan")],
                          ids=["in_order", "in_order_finite_stale", "scattered"])
 def test_decode_blocks_read_in_place_and_from_copies(shuffle, num_blocks, stale, monkeypatch):

@@ -236,3 +236,24 @@ def test_compiles_fullgraph_and_matches_hf() -> None:
     positions = torch.tensor([5, 0, 63, 9], dtype=torch.int64)
     cos, sin = _hf_cos_sin(hf_rope, positions)
     _check_rotation(compiled, hf_apply, positions, cos, sin)
+
+
+def test_step_cache_gathers_cos_sin_once_per_rotary() -> None:
+    """With a step's cache dict the first call of each rotary gathers its cos/sin rows and later calls
+    (the other layers) reuse them, with the same results as without; two rotaries sharing the dict
+    (a model's local and global bases) keep their own rows."""
+    local, glob = (build_rotary_embedding(head_dim=16, rotary_dim=16, max_position=64, base=b) for b in (10.0, 1e4))
+    gathers = []
+    for rope in (local, glob):
+        original = rope._cos_sin
+        rope._cos_sin = lambda *a, _original=original, _rope=rope: gathers.append(_rope) or _original(*a)
+    positions = torch.tensor([3, 0, 41])
+    q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
+    step_cache: dict = {}
+    for _ in range(3):
+        for rope in (local, glob):
+            got = rope(positions, q, k, None, step_cache)
+            plain = rope(positions, q, k)
+            assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    assert gathers.count(local) == 1 + 3 and gathers.count(glob) == 1 + 3  # once cached, thrice plain
+    assert not torch.equal(local(positions, q, k)[0], glob(positions, q, k)[0])
