@@ -252,7 +252,7 @@ class RotaryEmbedding(nn.Module):
         `long_rope` (bool `[T]`) gives the tokens below `original_max` the long factors too; None
         keeps the choice by position. `step_cache` (eager only; the step's `AttentionMetadata.step_plans`):
         a dict that lives for one step, where the first layer leaves the gathered cos/sin rows for the
-        others (the same positions in every layer; ~15 us a layer at one token)."""
+        others (the same positions in every layer; the gather was most of a layer's rotary time at one token)."""
         if positions.dim() != 1 or positions.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"positions must be a 1-D int64 tensor, got {positions.dtype} {tuple(positions.shape)}")
         for name, x in (("query", query), ("key", key)):
