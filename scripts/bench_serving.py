@@ -23,14 +23,13 @@ The largest level's requests also run through the offline pipeline in this proce
 at once) with at most as many in flight as there are clients (16 clients never have more than 16
 requests in flight), alternating with `--repeats` runs of that level while the server idles (offline,
 serving, offline, serving, offline): the goal's ratio, what serving costs, is the serving runs' mean
-over the offline runs' mean. After the server is terminated they run
-offline once more with the server's `--max-seqs` in flight, then as the
-same closed loop in this process without gRPC (threads on an `EngineLoop`), which separates what
-the closed loop's load shape costs from what gRPC costs. Each level also records where CPU time
-went (server threads from /proc, the benchmark's own client threads): on a small machine the
-clients share the server's cores. The server is
-always terminated (also on errors and Ctrl-C). Prints tables, writes JSON
-(bench_results/serving.json) and plots throughput vs latency (bench_results/serving.png).
+over the offline runs' mean. After the server is terminated they run offline once more with the
+server's `--max-seqs` in flight, then as the same closed loop in this process without gRPC (threads
+on an `EngineLoop`), which separates what the closed loop's load shape costs from what gRPC costs.
+Each level also records where CPU time went (server threads from /proc, the benchmark's own client
+threads): on a small machine the clients share the server's cores. The server is always terminated
+(also on errors and Ctrl-C). Prints tables, writes JSON (bench_results/serving.json) and plots
+throughput vs latency (bench_results/serving.png).
 """
 
 from __future__ import annotations
@@ -250,13 +249,18 @@ def derive_sla(records: list[dict], args: argparse.Namespace) -> dict:
             "fraction": args.sla_fraction, "smoothing_window_tokens": SMOOTH_WINDOW}
 
 
+def total_tokens(requests: list) -> int:
+    """Prompt plus output tokens of `(prompt ids, output length)` requests: what every tok/s here counts."""
+    return sum(len(p) + o for p, o in requests)
+
+
 def offline(model: str, args: argparse.Namespace, requests: list, max_seqs: int | None = None) -> float:
     """Total tokens/s of the offline pipeline on `requests`, all submitted at once; `max_seqs` caps the
     sequences in flight (default: the server's `--max-seqs`)."""
     options = _engine_options(args)
     if max_seqs is not None:
         options["max_seqs"] = max_seqs
-    return sum(len(p) + o for p, o in requests) / run_offline(model, requests, **options)
+    return total_tokens(requests) / run_offline(model, requests, **options)
 
 
 def in_process_closed_loop(model: str, args: argparse.Namespace, requests: list, concurrency: int) -> float:
@@ -281,7 +285,7 @@ def in_process_closed_loop(model: str, args: argparse.Namespace, requests: list,
             loop.shutdown()
     finally:
         pipe.destroy()
-    return sum(len(p) + o for p, o in requests) / seconds
+    return total_tokens(requests) / seconds
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -402,6 +406,9 @@ def main() -> None:
 
         closed, open_loop, sla, biggest, bracket = {}, {}, None, [], []
         top_concurrency = min(args.max_seqs, args.levels[-1])
+
+        def served(prompt: list[int], out_len: int) -> dict:
+            return one_request(client, prompt, out_len)
         for i, c in enumerate(args.levels):
             n = max(args.min_requests, args.requests_per_client * c)
             reqs = workload(n, args.prompt_mean, args.output_mean, vocab, args.seed + i)
@@ -412,7 +419,7 @@ def main() -> None:
                 # later would mostly measure the drift.
                 bracket.append(offline(model, args, reqs, top_concurrency))
             server_before, client_before = process_cpu_seconds(proc.pid), time.process_time()
-            records, seconds = closed_loop(lambda prompt, out_len: one_request(client, prompt, out_len), reqs, c)
+            records, seconds = closed_loop(served, reqs, c)
             cpu = cpu_split(server_before, process_cpu_seconds(proc.pid), time.process_time() - client_before, seconds)
             if sla is None:
                 sla = derive_sla(records, args)
@@ -427,9 +434,8 @@ def main() -> None:
         for _ in range(args.repeats - 1 if not args.no_offline else 0):
             # The top level again, and offline after it again: serving and offline alternate, so a ratio of
             # their means is not one slow minute of the machine.
-            _, seconds = closed_loop(lambda prompt, out_len: one_request(client, prompt, out_len), biggest,
-                                     args.levels[-1])
-            top_runs.append(sum(len(p) + o for p, o in biggest) / seconds)
+            _, seconds = closed_loop(served, biggest, args.levels[-1])
+            top_runs.append(total_tokens(biggest) / seconds)
             bracket.append(offline(model, args, biggest, top_concurrency))
         for j, rate in enumerate(args.rate_list):
             reqs = workload(args.poisson_requests, args.prompt_mean, args.output_mean, vocab, args.seed + 100 + j)
@@ -464,7 +470,7 @@ def main() -> None:
         ratio, same_ratio = top / offline_tps, top_mean / offline_same_tps
         print(f"\noffline pipeline on the {clients}-client requests, all queued, at most {args.max_seqs} in flight: "
               f"{offline_tps:.1f} total tok/s; serving at {clients} clients = {100 * ratio:.0f}% of it")
-        print(f"the same, at most {min(args.max_seqs, clients)} in flight (what {clients} clients can keep busy), "
+        print(f"the same, at most {top_concurrency} in flight (what {clients} clients can keep busy), "
               f"alternating with {len(top_runs)} runs of that level: offline "
               f"{', '.join(f'{t:.0f}' for t in bracket)} and serving {', '.join(f'{t:.0f}' for t in top_runs)} "
               f"total tok/s; serving = {100 * same_ratio:.0f}% of offline, mean over mean (target >= 90%)")
