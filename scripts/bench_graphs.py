@@ -27,6 +27,7 @@ from fastgen.executor.step_inputs import HostStepInputs
 from fastgen.planning.model_facts import model_facts
 
 CONTEXT = 64
+KV_CACHE_BYTES = 1 << 30
 
 
 def step_inputs(bucket: int, max_seqs: int, block_size: int) -> HostStepInputs:
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4,16,64")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="KV block size (default: the plan's, what a user gets: 128 tokens for head_dim 64)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile 50 batch-1 decode steps per mode (torch.profiler CPU-time shares)")
     parser.add_argument("--out", default="bench_results/graphs.json")
@@ -117,8 +120,11 @@ def main() -> None:
     buckets = [int(b) for b in args.buckets.split(",")]
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
+    # The KV cache sized in bytes, so that it fits whatever block size the plan picks.
     common = dict(dtype=dtype, buckets=buckets, token_budget=buckets[-1], max_seqs=min(args.max_seqs, buckets[-1]),
-                  num_kv_blocks=4096, block_size=16, progress=False)
+                  kv_cache_memory=KV_CACHE_BYTES, progress=False)
+    if args.block_size is not None:
+        common["block_size"] = args.block_size
     modes = {"eager": dict(compile="off"), "compiled": dict(compile="default")}
     if on_gpu:
         modes["compiled+graphs"] = dict(compile="default", cuda_graphs=True)
@@ -138,6 +144,7 @@ def main() -> None:
             start = time.perf_counter()
             pipe = fastgen.pipeline(path, **common, **options)
             startup = time.perf_counter() - start
+            block_size = pipe.engine.runner.block_size
             warmup[name] = {"startup_s": startup, "per_bucket_s": dict(pipe.engine.runner.warmup_seconds)}
             step_times[name] = time_buckets(pipe, buckets, common["max_seqs"], args.repeats)
             decode[name] = {b: decode_throughput(pipe, int(b), args.new_tokens) for b in args.batch_sizes.split(",")}
@@ -159,8 +166,8 @@ def main() -> None:
     for b in args.batch_sizes.split(","):
         print(f"{b:>7}" + "".join(f"{decode[n][b]:>18.1f}" for n in names))
     bandwidth = memory_read_bandwidth(device)
-    print(f"\nbatch-1 decode weight bandwidth (weights {weight_bytes / 2**20:.0f} MiB x tokens/s) vs measured "
-          f"streaming reads {bandwidth / 1e9:.1f} GB/s:")
+    print(f"\nbatch-1 decode weight bandwidth (weights {weight_bytes / 2**20:.0f} MiB x tokens/s, {block_size}-token KV "
+          f"blocks) vs measured streaming reads {bandwidth / 1e9:.1f} GB/s:")
     roofline = {}
     for n in names:
         achieved = weight_bytes * decode[n]["1"]
@@ -170,7 +177,7 @@ def main() -> None:
         print(f"  {n} batch-1 step profile: {1e3 * shares['step_seconds_profiled']:.2f} ms; "
               + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items() if k != "step_seconds_profiled"))
     write_json(args.out, {"args": vars(args), "device": str(device), "num_params": num_params,
-                          "weight_bytes": weight_bytes, "step_seconds": step_times, "warmup": warmup,
+                          "weight_bytes": weight_bytes, "block_size": block_size, "step_seconds": step_times, "warmup": warmup,
                           "decode_tokens_per_s": decode, "read_bandwidth_bytes_per_s": bandwidth,
                           "batch1_fraction_of_bandwidth": roofline, "batch1_profile_shares": profiles})
 
