@@ -212,10 +212,25 @@ def test_offline_batch_takes_larger_cpu_steps(models):
     assert serving.token_budget == 256 and offline.token_budget == 512 and offline.max_seqs == 512
     reason = offline.reasons["token_budget"]
     assert "offline batch" in reason and "3.9 s" in reason and "227-264 with 512" in reason
-    assert make_plan(models["tiny"], _cpu(), offline=True).token_budget == 768  # never smaller than serving's
+    # Where a 0.5 s step fits more than FastGen's 768 tokens, an offline batch takes up to 2048 of them.
+    assert make_plan(models["tiny"], _cpu(), offline=True).token_budget == 2048
     assert make_plan(models["1b"], _cpu(), offline=True, token_budget=64).token_budget == 64  # the user still wins
     # GPU budgets do not depend on it.
     assert make_plan(models["7b"], _gpus(H100), offline=True).token_budget == make_plan(models["7b"], _gpus(H100)).token_budget
+
+
+def test_amx_cpu_rates_bf16_at_its_tiles_speed(tmp_path):
+    # SmolLM2-135M's shape: 0.5 s at 1800 GFLOP/s (2 cores of AMX) fits ~3400 tokens.
+    smol = _facts(tmp_path, transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, tie_word_embeddings=True))
+    amx = _cpu(flags=BF16_CPU | {"amx_tile", "amx_bf16"})
+    serving, offline = make_plan(smol, amx), make_plan(smol, amx, offline=True)
+    assert serving.dtype == torch.bfloat16 and "1800 GFLOP/s" in serving.reasons["token_budget"]
+    assert serving.token_budget == 768 and offline.token_budget == 2048
+    assert "1379-1383 with 2048" in offline.reasons["token_budget"]
+    # Without AMX the same shape fits fewer than 768 tokens and an offline batch keeps 512-token steps.
+    assert make_plan(smol, _cpu(), offline=True).token_budget == 512
 
 
 def test_tiny_fp32_checkpoint_stays_fp32_on_cpu_with_fastgen_budget(models):

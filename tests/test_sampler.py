@@ -408,3 +408,20 @@ def test_allowed_and_banned_tokens_mask_every_row():
     out = Sampler()(logits, md).sampled_token_ids.tolist()
     assert out[0] == 4 and out[2] == 6
     assert out[1] == int(logits[1].clone().index_fill_(0, torch.tensor(banned[1]), float("-inf")).argmax())
+
+
+def test_first_argmax_matches_argmax_on_ties_and_nan():
+    from fastgen.engine.sampler import _first_argmax
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 4, (33, 5000), generator=generator).float()  # many tied maxima per row
+    scores[3, 17] = float("nan")
+    scores[5, [9, 4000]] = float("nan")
+    assert torch.equal(_first_argmax(scores), scores.argmax(dim=-1))
+    assert _first_argmax(scores)[5] == 9
+
+
+def test_greedy_rows_of_bf16_logits_take_the_fp32_argmax():
+    logits = torch.randn(7, 300, generator=torch.Generator().manual_seed(1)).bfloat16()
+    metadata = build([SamplingParams(do_sample=False)] * 7, vocab_size=300)
+    out = Sampler()(logits, metadata)
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(dim=-1))

@@ -313,11 +313,15 @@ class Sampler:
             raw = logits if raw_logits is None else raw_logits
             raw_logprobs = torch.log_softmax(raw.float(), dim=-1)
 
-        scores = self._apply_penalties(logits.to(torch.float32, copy=True), metadata)
-        if metadata.all_greedy:
-            token_ids = scores.argmax(dim=-1)
+        if metadata.all_greedy and not _edits_scores(metadata):
+            # Nothing writes to the scores, so the argmax reads the logits themselves: copying a
+            # [S, V] fp32 tensor (fresh pages every step) cost more than the LM head at S = 90.
+            token_ids = _first_argmax(logits.float())
+        elif metadata.all_greedy:
+            token_ids = _first_argmax(self._apply_penalties(logits.to(torch.float32, copy=True), metadata))
         else:
-            greedy_ids = None if metadata.all_random else scores.argmax(dim=-1)
+            scores = self._apply_penalties(logits.to(torch.float32, copy=True), metadata)
+            greedy_ids = None if metadata.all_random else _first_argmax(scores)
             sampled_ids = self._sample(self._apply_warpers(scores, metadata), metadata)
             token_ids = (sampled_ids if greedy_ids is None
                          else torch.where(metadata.greedy_mask, greedy_ids, sampled_ids))
@@ -401,7 +405,22 @@ class Sampler:
             noise[row].exponential_(generator=generator)
         # A zero draw would turn a zero-probability token into 0/0 = nan, which argmax picks.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return probs.div_(noise).argmax(dim=-1)
+        return _first_argmax(probs.div_(noise))
+
+
+def _edits_scores(metadata: SamplingMetadata) -> bool:
+    """Whether `Sampler._apply_penalties` changes any score (else it returns its input untouched)."""
+    return (metadata.any_penalties or metadata.logit_bias is not None or metadata.allowed_mask is not None
+            or metadata.banned is not None)
+
+
+def _first_argmax(scores: Tensor) -> Tensor:
+    """`scores.argmax(-1)`: the first index of each row's maximum (a NaN counts as the maximum).
+
+    `max(dim).indices` gives the same indices, ties and NaN included, and on the CPU runs ~2.7x
+    faster than `argmax` ([90, 49152] fp32: 1.2 against 3.3 ms, 2 cores).
+    """
+    return scores.max(dim=-1).indices
 
 
 def _apply_top_k(scores: Tensor, top_k: Tensor, max_top_k: int) -> Tensor:

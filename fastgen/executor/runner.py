@@ -23,6 +23,7 @@ from fastgen.models.layers import decoder_layers
 from fastgen.models.loader import LoadedModel, load_model
 from fastgen.models.packed import prepack_linears
 from fastgen.models.parallel import SINGLE, TensorParallel
+from fastgen.executor.host_allocator import keep_host_temporaries
 from fastgen.executor.offload import STREAMER_ATTR, install_offload, new_streamer
 from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, StepTensors, pick_bucket
 from fastgen.ops.kv_cache import allocate_kv_cache
@@ -119,6 +120,8 @@ class ModelRunner:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, not {device.type}")
+        if device.type == "cpu":
+            keep_host_temporaries()
         if cuda_graphs and not buckets:
             raise ValueError("cuda_graphs need a bucket list (each bucket is one captured static shape)")
         self.attention_backend = attention_backend

@@ -27,9 +27,10 @@ from fastgen.planning.plan import PLAN_FIELDS, Plan, dtype_name, format_bytes, f
 FASTGEN_TOKEN_BUDGET = 768  # FastGen's max_ragged_batch_size
 FASTGEN_MAX_SEQS = 512  # FastGen's max_ragged_sequence_count
 # Matmul GFLOP/s per core of an AVX-512-BF16 CPU without AVX512-FP16: 410 bf16, 185 fp32, 3 fp16 on 2 cores
-# (measured with torch matmuls on the 2-core development hosts). Hosts with AMX-BF16 run bf16 faster; these
-# are their lower bounds.
+# (measured with torch matmuls on the 2-core development hosts).
 CPU_GFLOPS_PER_CORE = {"bfloat16": 205.0, "float32": 92.5, "float16": 1.5}
+# bf16 on a CPU with AMX tiles: 1798-2071 GFLOP/s on 2 cores of the development Xeon (2048^3, best of 8 medians).
+CPU_AMX_BF16_GFLOPS_PER_CORE = 900.0
 # Batch-1 decode streams weights at ~22-25 GB/s on 2 cores of this CPU class (measured: weight bytes x tok/s); like
 # the matmul rate, taken to scale with cores, so the ratio of the two (what the budget floor rests on) does not.
 CPU_WEIGHT_STREAM_GBPS_PER_CORE = 11.5
@@ -38,10 +39,14 @@ CPU_STEP_TARGET_S = 0.5
 # An offline batch on a CPU is judged by its total throughput: steps of a few hundred rows keep the
 # matmuls near their peak and pay the per-step, per-layer costs (attention calls, Python) fewer times,
 # although such a step outlasts the 0.5 s target. Measured with scripts/bench_peer.py (SmolLM2-135M, fp32,
-# 128 requests): larger steps than 512 gained nothing.
+# 128 requests): larger steps than 512 gained nothing there; on a CPU fast enough to fit more than FastGen's
+# 768 tokens in the step target, steps up to 2048 tokens gained 11% (bf16 on AMX), 4096 nothing more.
 CPU_OFFLINE_TOKEN_BUDGET = 512
+CPU_OFFLINE_MAX_TOKEN_BUDGET = 2048
 OFFLINE_BUDGET_EVIDENCE = ("on a 2-core EPYC SmolLM2-135M (fp32, 128 requests) made 190 tok/s with 128-token steps, "
                            "227-264 with 512, 249 with 768 and 255 with 2048")
+FAST_OFFLINE_BUDGET_EVIDENCE = ("on a 2-core AMX Xeon SmolLM2-135M (bf16, 128 requests) made 1218-1242 tok/s with "
+                                "512-token steps, 1298 with 1024, 1379-1383 with 2048 and 1384 with 4096")
 # Every step streams all weights once; the budget keeps that under 10% of a step's matmul time.
 CPU_STREAM_SHARE = 0.1
 A100_BF16_TFLOPS = 312.0  # the GPU FastGen's 768-token budget was tuned on (dense bf16 spec)
@@ -373,9 +378,13 @@ def _choose_token_budget(model: ModelFacts, hw: Hardware, dtype: torch.dtype, of
         source = "measured" if dtype_name(dtype) in hw.matmul_gflops else f"{hw.cpu_cores} cores"
         head = (f"{FASTGEN_TOKEN_BUDGET} tokens x 2 x {format_count(model.active_params)} params / {rate:.0f} GFLOP/s "
                 f"({dtype_name(dtype)}, {source}) = {full:.2g} s per step")
+        fits_power = 1 << (max(fits, 1).bit_length() - 1)  # budgets are powers of two other than FastGen's 768
+        if fits >= FASTGEN_TOKEN_BUDGET and offline:
+            budget = max(FASTGEN_TOKEN_BUDGET, min(fits_power, CPU_OFFLINE_MAX_TOKEN_BUDGET))
+            return budget, (f"an offline batch, judged by its total throughput: {head}; a {CPU_STEP_TARGET_S} s "
+                            f"step fits {fits} tokens; {FAST_OFFLINE_BUDGET_EVIDENCE}")
         if fits >= FASTGEN_TOKEN_BUDGET:
             return FASTGEN_TOKEN_BUDGET, f"FastGen's default: {head}, within the {CPU_STEP_TARGET_S} s step target"
-        fits_power = 1 << (max(fits, 1).bit_length() - 1)  # budgets are powers of two below FastGen's 768
         if offline:
             return max(CPU_OFFLINE_TOKEN_BUDGET, fits_power), (
                 f"an offline batch, judged by its total throughput, not by step latency: {head}; "
@@ -510,7 +519,7 @@ def _check_overrides_fit_hardware(user: dict[str, Any], model: ModelFacts, hw: H
 def _cpu_rates(hw: Hardware) -> str:
     """The CPU's bf16 / fp32 / fp16 matmul rates as a reason quotes them, with their source."""
     rates = "/".join(f"{_cpu_gflops(hw, name):.3g}" for name in ("bfloat16", "float32", "float16"))
-    source = "measured here" if hw.matmul_gflops else f"{hw.cpu_cores} cores x the documented AVX512-BF16 per-core rates"
+    source = "measured here" if hw.matmul_gflops else f"{hw.cpu_cores} cores x the per-core rates of its AVX512-BF16 or AMX units"
     return f"~{rates} GFLOP/s in bf16/fp32/fp16 ({source})"
 
 
@@ -521,7 +530,9 @@ def _cpu_gflops(hw: Hardware, dtype_name: str) -> float:
     per_core = dict(CPU_GFLOPS_PER_CORE)
     if "avx512f" not in hw.cpu_flags:
         per_core["float32"] /= 2  # AVX2 has half AVX-512's vector width
-    if not {"avx512_bf16", "amx_bf16"} & hw.cpu_flags:
+    if "amx_bf16" in hw.cpu_flags:
+        per_core["bfloat16"] = CPU_AMX_BF16_GFLOPS_PER_CORE
+    elif "avx512_bf16" not in hw.cpu_flags:
         per_core["bfloat16"] = per_core["float32"]  # converted to fp32 in software at best
     if "amx_fp16" in hw.cpu_flags:
         per_core["float16"] = per_core["bfloat16"]  # AMX tiles run fp16 at the bf16 rate
