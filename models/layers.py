@@ -86,7 +86,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to `x` `[T, hidden]`."""
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        # In place: `act(gate)` is this call's own tensor (or a view of `gate`, which nothing reads
+        # after), so the product needs no `[T, intermediate]` allocation of its own.
+        return self.down_proj(self.act(gate).mul_(up))
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
