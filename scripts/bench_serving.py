@@ -25,8 +25,9 @@ requests in flight), alternating with `--repeats` runs of that level while the s
 serving, offline, serving, offline; each repeat with new requests of the same shape, which the
 server's prefix cache has never seen): the goal's ratio, what serving costs, is the serving runs'
 mean over the offline runs' mean. After the server is terminated they run offline once more with the
-server's `--max-seqs` in flight, then as the same closed loop in this process without gRPC (threads
-on an `EngineLoop`), which separates what the closed loop's load shape costs from what gRPC costs.
+server's `--max-seqs` in flight, then as the same closed loop in this process without gRPC (client
+threads on an `EngineLoop` that the main thread steps, as the server does), which separates what the
+closed loop's load shape costs from what gRPC costs.
 Each level also records where CPU time went (server threads from /proc, the benchmark's own client
 threads): on a small machine the clients share the server's cores. The server is always terminated
 (also on errors and Ctrl-C). Prints tables, writes JSON (bench_results/serving.json) and plots
@@ -267,13 +268,14 @@ def offline(model: str, args: argparse.Namespace, requests: list, max_seqs: int 
 
 def in_process_closed_loop(model: str, args: argparse.Namespace, requests: list, concurrency: int) -> float:
     """Total tokens/s of the same closed loop without gRPC: `concurrency` threads of this process
-    submit to an `EngineLoop` and read their deltas, each sending its next request when the last
-    one finished. Against `offline` it measures the closed loop's load shape (requests in flight
+    submit to an `EngineLoop` (stepped by this, the main, thread) and read their deltas, each sending
+    its next request when the last one finished. Against `offline` it measures the closed loop's load shape (requests in flight
     drop while a client turns around, and at the end); against the server, gRPC's cost."""
     pipe = fastgen.pipeline(model, progress=False, **_engine_options(args))
     try:
         pipe([requests[0][0]], max_new_tokens=2, do_sample=False, ignore_eos=True)
-        loop = EngineLoop(pipe.engine)
+        # Stepped on this (the main) thread, as scripts/serve.py steps its engine (see EngineLoop.run).
+        loop = EngineLoop(pipe.engine, thread=False)
 
         def send(prompt: list[int], out_len: int) -> dict:
             params = fastgen.SamplingParams(do_sample=False, max_new_tokens=out_len, ignore_eos=True)
@@ -281,13 +283,25 @@ def in_process_closed_loop(model: str, args: argparse.Namespace, requests: list,
                 pass
             return {}
 
-        try:
-            _, seconds = closed_loop(send, requests, concurrency)
-        finally:
-            loop.shutdown()
+        result: dict = {}
+        done = threading.Event()
+
+        def clients() -> None:
+            try:
+                result["seconds"] = closed_loop(send, requests, concurrency)[1]
+            except BaseException as exc:  # re-raised below, in the main thread
+                result["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=clients, daemon=True).start()
+        loop.run(done.is_set)
+        loop.shutdown()
+        if "error" in result:
+            raise result["error"]
     finally:
         pipe.destroy()
-    return total_tokens(requests) / seconds
+    return total_tokens(requests) / result["seconds"]
 
 
 def _engine_options(args: argparse.Namespace) -> dict:

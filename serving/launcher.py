@@ -114,7 +114,8 @@ def _planned_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
 def _load_backend(args: argparse.Namespace, config: EngineConfig, server: GrpcServer,
                   stop: threading.Event, limits: ServingLimits) -> Backend:
     if args.replica_num == 1:
-        loop = EngineLoop(Engine(config))
+        # Stepped by `main`'s own thread (see `EngineLoop.run`).
+        loop = EngineLoop(Engine(config), thread=False)
         return LocalBackend(loop, args.deployment_name)
     options = {f.name: getattr(config, f.name) for f in engine_fields()}
     devices: list[str | None] = [config.device] * args.replica_num
@@ -205,14 +206,22 @@ def main(argv: list[str] | None = None) -> int:
             tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
             gateway = _RestThread(_rest_app(rest, args, backend, stop, limits), rest_host, args.restful_api_port, tls)
         _announce(args, server, rest_host)
-        while not stop.wait(0.2):
+
+        def should_stop() -> bool:
             if args.replica_of is not None and os.getppid() != args.replica_of:
                 logger.error("the front end (pid %d) is gone; stopping", args.replica_of)
-                break
-            if isinstance(backend, LocalBackend) and backend.loop.fatal_error is not None:
+                return True
+            return stop.is_set()
+
+        if isinstance(backend, LocalBackend):
+            backend.loop.run(should_stop)
+            if backend.loop.fatal_error is not None:
                 logger.error("the engine failed for good (%s); stopping", backend.loop.fatal_error)
                 return 1
-        return 1 if isinstance(backend, ReplicaRouter) and backend.all_dead else 0
+            return 0
+        while not stop.wait(0.2) and not should_stop():
+            pass
+        return 1 if backend.all_dead else 0
     except Exception:
         if stop.is_set() and loading:
             logger.info("interrupted while loading")

@@ -80,3 +80,39 @@ def test_asyncio_clients(loop, tiny_checkpoints):
     outs = asyncio.run(main())
     for i, out in enumerate(outs):
         assert out == _hf_greedy(tiny_checkpoints["llama"], [20 + i, 30, 40], 6)
+
+
+def test_loop_stepped_by_the_calling_thread_serves_client_threads(tiny_checkpoints):
+    # What scripts/serve.py does: the main thread steps (EngineLoop.run), clients submit from threads.
+    engine = Engine(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=NUM_BLOCKS, block_size=8,
+                                 token_budget=32, max_seqs=8, progress=False))
+    engine.eos_token_ids = set()
+    loop = EngineLoop(engine, thread=False)
+    prompts = [[5 + i, 40 + 3 * i, 7][: 1 + i % 3] + [11] * i for i in range(4)]
+    results, done = {}, threading.Event()
+
+    def clients():
+        try:
+            for i, prompt in enumerate(prompts):
+                stream = loop.submit(prompt, SamplingParams(do_sample=False, max_new_tokens=6))
+                results[i] = [t for delta in stream for t in delta.token_ids]
+            # Left open when run() returns: it must end with an error, not hang.
+            results["open"] = loop.submit(prompts[0], SamplingParams(do_sample=False, max_new_tokens=10_000))
+        finally:
+            done.set()
+
+    threading.Thread(target=clients, daemon=True).start()
+    loop.run(done.is_set, interval=0.05)
+    assert loop.stopped
+    for i, prompt in enumerate(prompts):
+        assert results[i] == _hf_greedy(tiny_checkpoints["llama"], prompt, 6)
+    with pytest.raises(RuntimeError, match="stopped"):
+        list(results["open"])
+    with pytest.raises(RuntimeError, match="shut down"):
+        loop.submit(prompts[0], SamplingParams(max_new_tokens=2))
+    loop.shutdown()
+
+
+def test_run_refuses_a_loop_that_has_its_own_thread(loop):
+    with pytest.raises(RuntimeError, match="own thread"):
+        loop.run(lambda: True)
