@@ -269,8 +269,9 @@ def offline(model: str, args: argparse.Namespace, requests: list, max_seqs: int 
 def in_process_closed_loop(model: str, args: argparse.Namespace, requests: list, concurrency: int) -> float:
     """Total tokens/s of the same closed loop without gRPC: `concurrency` threads of this process
     submit to an `EngineLoop` (stepped by this, the main, thread) and read their deltas, each sending
-    its next request when the last one finished. Against `offline` it measures the closed loop's load shape (requests in flight
-    drop while a client turns around, and at the end); against the server, gRPC's cost."""
+    its next request when the last one finished. Against `offline` it measures the closed loop's load
+    shape (requests in flight drop while a client turns around, and at the end); against the server,
+    gRPC's cost."""
     pipe = fastgen.pipeline(model, progress=False, **_engine_options(args))
     try:
         pipe([requests[0][0]], max_new_tokens=2, do_sample=False, ignore_eos=True)

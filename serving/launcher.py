@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                 logger.error("the engine failed for good (%s); stopping", backend.loop.fatal_error)
                 return 1
             return 0
-        while not stop.wait(0.2) and not should_stop():
-            pass
+        while not should_stop():
+            stop.wait(0.2)
         return 1 if backend.all_dead else 0
     except Exception:
         if stop.is_set() and loading:

@@ -84,6 +84,7 @@ class EngineLoop:
         self.fatal_error: BaseException | None = None
         """Set when the engine can never step again (a tensor-parallel rank died); the loop then stops."""
         self._idle_check: Callable[[], bool] | None = None
+        self._idle_wait: float | None = None  # how long an idle loop blocks for a command; None: until one comes
         self._own_thread = thread
         self._thread = threading.Thread(target=self._run, name="fastgen-engine-loop", daemon=True)
         if thread:
@@ -103,15 +104,13 @@ class EngineLoop:
         """
         if self._own_thread:
             raise RuntimeError("this EngineLoop already steps on its own thread")
-        self._idle_check, self._interval = idle_check, interval
+        self._idle_check = idle_check
+        self._idle_wait = None if idle_check is None else interval
         self._thread = threading.current_thread()
         try:
             self._run()
         finally:
-            for request_id in list(self._streams):
-                self.engine.abort(request_id)
-                self._close(request_id, RuntimeError("the engine loop stopped"))
-            self._stopped.set()
+            self._abort_all(RuntimeError("the engine loop stopped"))
 
     def submit(self, prompt: Any, params: SamplingParams | None = None, deliver: Sink | None = None) -> RequestStream:
         """Queue a request; raises here (ValueError/TypeError) if the engine rejects it.
@@ -187,10 +186,7 @@ class EngineLoop:
             block = not self.engine.has_unfinished()
             try:
                 while True:
-                    if block and self._idle_check is not None:
-                        self._handle(self._commands.get(timeout=self._interval))
-                    else:
-                        self._handle(self._commands.get(block=block))
+                    self._handle(self._commands.get(block=block, timeout=self._idle_wait))
                     block = False
             except queue.Empty:
                 pass
@@ -260,10 +256,14 @@ class EngineLoop:
                     stream._push(delta)  # choices that had already finished were delivered before
             self._close(request_id, None)
         elif kind == "stop":
-            for request_id in list(self._streams):
-                self.engine.abort(request_id)
-                self._close(request_id, RuntimeError("the engine loop was shut down"))
-            self._stopped.set()
+            self._abort_all(RuntimeError("the engine loop was shut down"))
+
+    def _abort_all(self, error: BaseException) -> None:
+        """Abort every open request, ending its stream with `error`, and stop taking requests."""
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+            self._close(request_id, error)
+        self._stopped.set()
 
     def _route(self, delta: Response) -> None:
         stream = self._streams.get(delta.request_id)

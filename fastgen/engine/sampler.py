@@ -313,14 +313,16 @@ class Sampler:
             raw = logits if raw_logits is None else raw_logits
             raw_logprobs = torch.log_softmax(raw.float(), dim=-1)
 
+        # Penalties and warpers write to the scores in place. Where neither runs, the argmax reads the
+        # logits themselves: copying a [S, V] fp32 tensor (fresh pages every step) cost more than the
+        # LM head at S = 90.
         if metadata.all_greedy and not _edits_scores(metadata):
-            # Nothing writes to the scores, so the argmax reads the logits themselves: copying a
-            # [S, V] fp32 tensor (fresh pages every step) cost more than the LM head at S = 90.
-            token_ids = _first_argmax(logits.float())
-        elif metadata.all_greedy:
-            token_ids = _first_argmax(self._apply_penalties(logits.to(torch.float32, copy=True), metadata))
+            scores = logits.float()
         else:
             scores = self._apply_penalties(logits.to(torch.float32, copy=True), metadata)
+        if metadata.all_greedy:
+            token_ids = _first_argmax(scores)
+        else:
             greedy_ids = None if metadata.all_random else _first_argmax(scores)
             sampled_ids = self._sample(self._apply_warpers(scores, metadata), metadata)
             token_ids = (sampled_ids if greedy_ids is None
