@@ -411,7 +411,9 @@ class Sampler:
 
 
 def _edits_scores(metadata: SamplingMetadata) -> bool:
-    """Whether `Sampler._apply_penalties` changes any score (else it returns its input untouched)."""
+    """Whether `Sampler._apply_penalties` changes any score (else it returns its input untouched).
+
+    It tests the same fields `_apply_penalties` acts on: an edit added there needs its field here."""
     return (metadata.any_penalties or metadata.logit_bias is not None or metadata.allowed_mask is not None
             or metadata.banned is not None)
 
