@@ -168,13 +168,27 @@ def test_long_rope_flag_gives_positions_below_original_max_the_long_factors(name
     assert _ours(CASES["yarn"][1], 1.0).original_max is None
 
 
-def test_bf16_inputs_rotate_in_fp32_and_keep_dtype() -> None:
-    family, scaling, partial = CASES["partial_longrope"]
+@pytest.mark.parametrize("name", ["default", "llama3", "partial_longrope"])
+def test_bf16_inputs_rotate_exactly_as_hf_does_in_bf16(name: str) -> None:
+    # HF casts cos/sin to the activations' dtype and rounds each product and the sum to it.
+    family, scaling, partial = CASES[name]
     hf_rope, hf_apply = _hf_rope(family, scaling, partial)
     rope = _ours(scaling, partial)
     positions = torch.tensor([3, 0, 17, 63], dtype=torch.int64)
-    cos, sin = _hf_cos_sin(hf_rope, positions)
-    _check_rotation(rope, hf_apply, positions, cos, sin, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    q = (torch.randn(len(positions), 4, HEAD_DIM, generator=gen) * 3).bfloat16()
+    k = (torch.randn(len(positions), 2, HEAD_DIM, generator=gen) * 3).bfloat16()
+    cos, sin = hf_rope(q, positions[None])
+    assert cos.dtype == torch.bfloat16
+    q_hf, k_hf = hf_apply(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    step_cache: dict = {}
+    for _ in range(2):  # the second call takes the step's cached cos/sin rows
+        q_ours, k_ours = rope(positions, q, k, None, step_cache)
+        assert q_ours.dtype == k_ours.dtype == torch.bfloat16
+        assert torch.equal(q_ours, q_hf[0].transpose(0, 1)) and torch.equal(k_ours, k_hf[0].transpose(0, 1))
+    # Not the fp32 rotation rounded once: the test tells the two apart.
+    q_fp32, _ = rope(positions, q.float(), k.float())
+    assert not torch.equal(q_fp32.bfloat16(), q_ours)
 
 
 def test_cache_length_and_dtype() -> None:
