@@ -27,7 +27,10 @@ def faults_of_allocations(count):
 default = faults_of_allocations(20)
 assert keep_host_temporaries()
 faults_of_allocations(1)
-tuned = faults_of_allocations(20)
+# The least of three rounds: now and then one round faulted ~5000 pages in again (1 run in 3 on a 2-core
+# Xeon VM whose kernel runs DAMON's kdamond, which can reclaim idle pages); without the thresholds every
+# round faults.
+tuned = min(faults_of_allocations(20) for _ in range(3))
 print(default, tuned)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
