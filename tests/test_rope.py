@@ -81,18 +81,17 @@ def _check_cache(rope: RotaryEmbedding, positions, cos: torch.Tensor, sin: torch
         torch.testing.assert_close(ours, hf[:, half:], rtol=0, atol=atol)
 
 
-def _check_rotation(rope, hf_apply, positions, cos, sin, dtype=torch.float32, long_rope=None) -> None:
+def _check_rotation(rope, hf_apply, positions, cos, sin, long_rope=None) -> None:
+    """fp32 q/k rotated by ours and by HF's apply function (bf16: `test_bf16_inputs_rotate_exactly_as_hf_does_in_bf16`)."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(len(positions), 4, HEAD_DIM, generator=gen).to(dtype)
-    k = torch.randn(len(positions), 2, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(len(positions), 4, HEAD_DIM, generator=gen)
+    k = torch.randn(len(positions), 2, HEAD_DIM, generator=gen)
     q_ours, k_ours = rope(positions, q, k, long_rope)
-    # HF wants [batch, heads, tokens, head_dim]; it computes in the inputs' dtype, so feed it fp32.
-    q_hf, k_hf = hf_apply(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], cos[None], sin[None])
+    # HF wants [batch, heads, tokens, head_dim].
+    q_hf, k_hf = hf_apply(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
     for ours, hf in ((q_ours, q_hf), (k_ours, k_hf)):
-        assert ours.dtype == dtype and ours.shape == (len(positions), hf.shape[1], HEAD_DIM)
-        expected = hf[0].transpose(0, 1).to(dtype)
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(ours, expected, rtol=tol, atol=tol)
+        assert ours.dtype == torch.float32 and ours.shape == (len(positions), hf.shape[1], HEAD_DIM)
+        torch.testing.assert_close(ours, hf[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", CASES)
