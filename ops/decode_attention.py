@@ -237,10 +237,10 @@ def _attend_in_place(stretch: CacheRange, query, k_cache, v_cache, scale: float,
     n, num_kv_heads, head_dim = stretch.hi - stretch.lo, k_cache.shape[2], k_cache.shape[3]
     keys = k_cache[stretch.lo:stretch.hi].transpose(1, 2)
     values = v_cache[stretch.lo:stretch.hi].transpose(1, 2)
-    result, result_lse = _flash_one_row(query.index_select(0, stretch.tokens), keys, values,
-                                        stretch.mask[:, None, None, :], scale)
-    result = result.view(n, num_kv_heads, group, head_dim).index_select(0, stretch.src)
-    result_lse = result_lse.view(n, num_kv_heads, group).float().index_select(0, stretch.src)
+    # In place only without softcap on the CPU (see attend_decode_rows): `_attend_with_lse`'s flash branch.
+    q = query.index_select(0, stretch.tokens).view(n, num_kv_heads, group, head_dim)
+    result, result_lse = _attend_with_lse(q, keys, values, stretch.mask[:, None, None, :], scale, 0.0)
+    result, result_lse = result.index_select(0, stretch.src), result_lse.index_select(0, stretch.src)
     # A sum is not finite iff some term is not (or it overflows: then the copy just redoes it); one
     # check of the whole result, cheaper than an elementwise isfinite.
     if not bool(torch.isfinite(result.sum())):
