@@ -1,17 +1,19 @@
 """Dynamic SplitFuse vs whole-prompt prefill: inter-token latency of steady decode streams while
 long prompts arrive.
 
-    .venv/bin/python scripts/bench_splitfuse.py [--prompt-len 2048] [--interval 1] [--duration 20] [--token-budget N]
+    .venv/bin/python scripts/bench_splitfuse.py [--prompt-len 2048] [--interval 0.5] [--duration 20] [--token-budget N]
 
 A Llama-shaped model with random weights (bf16, 4 layers x 512 by default, sized for a CPU)
 runs `--streams` requests that decode steadily (EOS ignored; a stream that reaches its length is
 replaced). Every `--interval` seconds for `--duration` seconds a prompt of `--prompt-len` tokens
 arrives (it generates `--prompt-new-tokens` tokens). The Engine is driven directly, so the clock
 only sees the engine. Two runs in one process, same workload and arrival times:
-- splitfuse: the plan's token budget (or `--token-budget`), prompts cut into chunks that fill it;
-- whole-prompt: token budget = prompt length + streams, so a whole prompt goes in one step.
-Both use the same max_seqs and KV cache size. Reported: the streams' inter-token latency (ITL)
-p50/p90/p99 and total tokens/s (prompt + generated tokens over the window from the first
+- splitfuse: the plan's token budget (or `--token-budget`) and attention charge
+  (`context_per_budget_token`), prompts cut into chunks that fill it;
+- whole-prompt: token budget = prompt length + streams and no charge, so a whole prompt goes in one step.
+Both use the plan's block size and the same max_seqs and KV cache size. The default interval
+makes the ITLs that span a whole-prompt step ~2% of all: with fewer than 1% p99 cannot see them.
+Reported: the streams' inter-token latency (ITL) p50/p90/p99 and total tokens/s (prompt + generated tokens over the window from the first
 arrival until the last long prompt finishes). Prints a table, writes JSON
 (bench_results/splitfuse.json) and plots both ITL distributions (bench_results/splitfuse_itl.png).
 """
@@ -34,16 +36,21 @@ import fastgen
 STREAM_PROMPT = 32
 
 
-def run_mode(path: str, args: argparse.Namespace, token_budget: int | None, vocab: int) -> dict:
-    """Drive one engine through the arrival schedule; returns ITLs, token counts and the plan's budget."""
+def run_mode(path: str, args: argparse.Namespace, token_budget: int | None, vocab: int, **plan: int) -> dict:
+    """Drive one engine through the arrival schedule; returns ITLs, token counts and the plan's budget.
+    `plan`: more plan overrides."""
     max_len = args.prompt_len + max(args.prompt_new_tokens, args.stream_new_tokens) + STREAM_PROMPT + 16
     concurrent_prompts = 2 + int(args.duration / args.interval)
-    num_kv_blocks = -(-(args.streams + concurrent_prompts) * max_len // 16)
+    # The plan's block size (what a user gets: decode attention's cost per step depends on it), and
+    # one KV cache size for both modes.
+    block_size = fastgen.plan_deployment(path, dtype=getattr(torch, args.dtype)).block_size
+    num_kv_blocks = -(-(args.streams + concurrent_prompts) * max_len // block_size)
     options = dict(dtype=getattr(torch, args.dtype), compile=args.compile, max_seqs=args.max_seqs,
-                   max_length=max_len, num_kv_blocks=num_kv_blocks, block_size=16, progress=False,
+                   max_length=max_len, num_kv_blocks=num_kv_blocks, block_size=block_size, progress=False,
                    offline=False)  # streams judged by their inter-token latency: a server's plan
     if token_budget is not None:
         options["token_budget"] = token_budget
+    options.update(plan)
     pipe = fastgen.pipeline(path, **options)
     engine = pipe.engine
     rng = np.random.default_rng(args.seed)
@@ -95,10 +102,11 @@ def run_mode(path: str, args: argparse.Namespace, token_budget: int | None, voca
             elif out.finish_reason != "none":
                 pending_long.discard(out.request_id)
     seconds = time.perf_counter() - start
-    budget = engine.plan.token_budget
+    budget, charge = engine.plan.token_budget, engine.plan.context_per_budget_token
     pipe.destroy()
     itls = [x for x in itls if x == x]  # drop the NaN gap of a replacement stream's first token
-    return {"token_budget": budget, "max_seqs": args.max_seqs, "seconds": seconds, "steps": steps,
+    return {"token_budget": budget, "context_per_budget_token": charge, "max_seqs": args.max_seqs,
+            "seconds": seconds, "steps": steps,
             "long_prompts": arrived, "prompt_tokens": prompt_tokens, "generated_tokens": generated,
             "total_tokens_per_s": (prompt_tokens + generated) / seconds, "itl": latency_summary(itls),
             "itl_samples": itls}
@@ -136,9 +144,11 @@ def main() -> None:
     parser.add_argument("--stream-new-tokens", type=int, default=1024, help="length of a stream before it is replaced")
     parser.add_argument("--prompt-len", type=int, default=2048, help="tokens of each arriving long prompt")
     parser.add_argument("--prompt-new-tokens", type=int, default=8, help="tokens each long prompt generates")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between long-prompt arrivals")
+    parser.add_argument("--interval", type=float, default=0.5, help="seconds between long-prompt arrivals")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds during which prompts arrive")
     parser.add_argument("--token-budget", type=int, default=None, help="SplitFuse budget (default: the plan's)")
+    parser.add_argument("--context-per-budget-token", type=int, default=None,
+                        help="SplitFuse's attention charge (default: the plan's; 0 = none)")
     parser.add_argument("--max-seqs", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_results/splitfuse.json")
@@ -159,17 +169,21 @@ def main() -> None:
               f"compile={args.compile}; {torch.get_num_threads()} threads")
         print(f"workload: {args.streams} decode streams; a {args.prompt_len}-token prompt every {args.interval:g} s "
               f"for {args.duration:g} s")
-        results = {"splitfuse": run_mode(tmp, args, args.token_budget, vocab),
-                   "whole-prompt": run_mode(tmp, args, whole_budget, vocab)}
+        charge = {"context_per_budget_token": args.context_per_budget_token}
+        if args.context_per_budget_token is None:
+            charge = {}
+        results = {"splitfuse": run_mode(tmp, args, args.token_budget, vocab, **charge),
+                   "whole-prompt": run_mode(tmp, args, whole_budget, vocab, context_per_budget_token=0)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"\n{'mode':<14}{'budget':>8}{'steps':>7}{'ITL p50':>10}{'p90':>9}{'p99':>9}{'p99.9':>9}{'max':>9}"
-          f"{'total tok/s':>13}")
+    print(f"\n{'mode':<14}{'budget':>8}{'charge':>8}{'steps':>7}{'ITL p50':>10}{'p90':>9}{'p99':>9}{'p99.9':>9}"
+          f"{'max':>9}{'total tok/s':>13}")
     for name, r in results.items():
         itl = r["itl"]
         r["itl_p999"] = float(np.percentile(r["itl_samples"], 99.9))
-        print(f"{name:<14}{r['token_budget']:>8}{r['steps']:>7}{1e3 * itl['median']:>8.1f}ms"
+        print(f"{name:<14}{r['token_budget']:>8}{r['context_per_budget_token']:>8}{r['steps']:>7}"
+              f"{1e3 * itl['median']:>8.1f}ms"
               f"{1e3 * itl['p90']:>7.1f}ms{1e3 * itl['p99']:>7.1f}ms{1e3 * r['itl_p999']:>7.1f}ms"
               f"{1e3 * max(r['itl_samples']):>7.1f}ms{r['total_tokens_per_s']:>13.1f}")
     sf, whole = results["splitfuse"], results["whole-prompt"]

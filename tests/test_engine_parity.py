@@ -27,11 +27,14 @@ def _workload(tokenizer) -> list[list[int]]:
     return prompts
 
 
+@pytest.mark.parametrize("context_per_budget_token", [0, 16])
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
-def test_engine_greedy_equals_hf_with_preemption_and_prefix_hits(model_type, tiny_checkpoints, hf_reference):
+def test_engine_greedy_equals_hf_with_preemption_and_prefix_hits(model_type, context_per_budget_token,
+                                                                  tiny_checkpoints, hf_reference):
+    """Also with prompt chunks charged for their attention (16: a chunk at offset 48 gets 3 tokens of 16)."""
     path = tiny_checkpoints[model_type]
     engine = Engine(EngineConfig(model=path, num_kv_blocks=40, block_size=4, token_budget=TOKEN_BUDGET,
-                                 max_seqs=8, progress=False))
+                                 max_seqs=8, progress=False, context_per_budget_token=context_per_budget_token))
     engine.eos_token_ids = set()  # compare full-length outputs, whatever EOS the random model hits
     prompts = _workload(engine.tokenizer)
     assert len(prompts) >= 32 and max(map(len, prompts)) >= 3 * TOKEN_BUDGET

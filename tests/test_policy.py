@@ -334,10 +334,30 @@ def test_overrides_win_and_say_so(models):
     overrides = dict(dtype=torch.float16, attention_backend="torch", compile="max-autotune", cuda_graphs=False,
                      buckets=(1, 8, 64), token_budget=128, max_seqs=32, block_size=16, kv_cache_memory=GIB,
                      tensor_parallel=2, replica_num=2, quantization="int4", quantization_group_size=64,
-                     offload="none", weight_memory=64 * GIB, weight_prepack=False, gemv_weights=False)
+                     offload="none", weight_memory=64 * GIB, weight_prepack=False, gemv_weights=False,
+                     context_per_budget_token=0)
     plan = make_plan(models["7b"], _gpus(*[H100] * 4), **overrides)
     assert plan.engine_kwargs() == overrides
     assert all(plan.reasons[name] == "set by the user" for name in overrides)
+
+
+def test_attention_charge_is_a_layers_linear_flops_over_its_attention_flops_per_position(models):
+    # Mistral-7B's layer: q and o 4096^2 each, k and v 4096 x 1024 (GQA), the MLP 3 x 4096 x 14336 and two
+    # norms of 4096 = 218.1M params, 2 x 218.1M FLOPs a token against 4 x 32 heads x 128 a position:
+    # 26,625 positions cost one token. An offline batch has no charge.
+    facts = models["7b"]
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    assert facts.num_heads * facts.head_dim == 4096
+    for hardware in (_cpu(), _gpus(H100)):
+        plan = make_plan(facts, hardware)
+        assert plan.context_per_budget_token == per_layer // (2 * 4096) == 26625
+        assert "26625 positions cost one token" in plan.reasons["context_per_budget_token"]
+        assert make_plan(facts, hardware, offline=True).context_per_budget_token == 0
+    assert make_plan(facts, _cpu(), context_per_budget_token=5).context_per_budget_token == 5
+    with pytest.raises(ValueError, match="context_per_budget_token must be >= 0"):
+        make_plan(facts, _cpu(), context_per_budget_token=-1)
+    with pytest.raises(TypeError, match="context_per_budget_token must be an int"):
+        make_plan(facts, _cpu(), context_per_budget_token=1.5)
 
 
 def test_derived_fields_follow_overrides(models):

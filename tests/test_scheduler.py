@@ -9,6 +9,7 @@ after every step; the unit tests pin the policy on small hand-made cases.
 
 import copy
 import itertools
+import math
 import random
 from collections import Counter
 
@@ -32,9 +33,9 @@ class Sim:
     """Drives a Scheduler and BlockManager the way Engine.step does, checking every step."""
 
     def __init__(self, num_blocks: int, block_size: int, token_budget: int, max_seqs: int,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, context_per_budget_token: int = 0) -> None:
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
-        self.sched = Scheduler(self.bm, token_budget, max_seqs)
+        self.sched = Scheduler(self.bm, token_budget, max_seqs, context_per_budget_token=context_per_budget_token)
         self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.max_new: dict[int, int] = {}
         self.requests: dict[str, list[Sequence]] = {}
@@ -98,7 +99,10 @@ class Sim:
         chunks = batch.chunks
         ids = [s.seq_id for s, _ in chunks]
         assert len(ids) == len(set(ids)) <= sched.max_seqs
-        assert batch.num_tokens <= sched.token_budget
+        assert batch.budget_spent == sum(charge(sched, s, n) for s, n in chunks)
+        # Within the budget, unless a lone token had to overrun it for its prompt to progress.
+        assert batch.budget_spent <= sched.token_budget or (
+            chunks[-1][1] == 1 and batch.budget_spent - charge(sched, *chunks[-1]) < sched.token_budget)
         for seq, num_new in chunks:
             assert seq.status is SequenceStatus.RUNNING and seq in sched.running
             assert 1 <= num_new <= seq.num_pending_tokens
@@ -108,11 +112,15 @@ class Sim:
         for i, (seq, _) in enumerate(chunks):
             if running_before.get(seq.seq_id) == 1:
                 assert i < first_multi, f"decode of {seq} after a prompt chunk"
-        # Only the last chunk may be cut, and only because it used up the budget.
-        for seq, num_new in chunks[:-1]:
-            assert num_new == seq.num_pending_tokens
-        if chunks and chunks[-1][1] < chunks[-1][0].num_pending_tokens:
-            assert batch.num_tokens == sched.token_budget
+        # A chunk is cut only because one more token would overrun the budget left at its turn. Without
+        # the attention charge that is the last chunk; with it, a later prompt's cheaper first tokens may
+        # still fit what a deeper chunk's next token could not.
+        spent = 0
+        for i, (seq, num_new) in enumerate(chunks):
+            if num_new < seq.num_pending_tokens:
+                assert charge(sched, seq, num_new + 1) > sched.token_budget - spent
+                assert sched.context_per_budget_token or i == len(chunks) - 1
+            spent += charge(sched, seq, num_new)
         # FCFS: the sequences admitted are the head of the queue, in order.
         admitted = [s for s, _ in chunks if s.seq_id not in running_before]
         assert admitted == waiting_before[: len(admitted)]
@@ -133,13 +141,13 @@ class Sim:
                 bm.block_table(seq.seq_id)
             assert all(s.arrival <= seq.arrival for s in left_out), "an older sequence was preempted"
         # No budget is wasted while work is pending and the KV cache allows it.
-        left = sched.token_budget - batch.num_tokens
-        if left and len(chunks) < sched.max_seqs and not batch.preempted:
+        left = sched.token_budget - batch.budget_spent
+        if left > 0 and len(chunks) < sched.max_seqs and not batch.preempted:
             assert not left_out, "a running sequence was skipped although budget was left"
             if sched.waiting:
                 head, probe = sched.waiting[0], copy.deepcopy(bm)
                 hit = probe.match_prefix(head.seq_id, head.token_ids)
-                assert not probe.can_allocate(head.seq_id, hit + min(head.num_tokens - hit, left)), \
+                assert not probe.can_allocate(head.seq_id, hit + wanted_chunk(sched, head, hit, left)), \
                     "the head of the queue fit but was not admitted"
 
     def _check_state(self) -> None:
@@ -175,6 +183,24 @@ class Sim:
             assert seq.output_token_ids == expected
 
 
+def charge(sched: Scheduler, seq: Sequence, num_new: int, computed: int | None = None) -> int:
+    """The budget `num_new` of `seq`'s pending tokens spend (from `computed`, default its own), from the rule
+    itself, not the Scheduler's code: one each, plus one per `context_per_budget_token` positions a prompt
+    chunk's tokens attend."""
+    context = sched.context_per_budget_token
+    computed = seq.num_computed_tokens if computed is None else computed
+    if not context or seq.num_tokens - computed == 1:
+        return num_new
+    attended = sum(computed + i + 1 for i in range(num_new))
+    return num_new + math.ceil(attended / context)
+
+
+def wanted_chunk(sched: Scheduler, seq: Sequence, computed: int, left: int) -> int:
+    """The chunk the rule gives `seq` from `computed` with `left` budget: the longest whose charge fits, at least 1."""
+    pending = seq.num_tokens - computed
+    return max([n for n in range(1, min(pending, left) + 1) if charge(sched, seq, n, computed) <= left] or [1])
+
+
 def run_until_done(sim: Sim, max_steps: int = 1000) -> int:
     """Step until nothing is left; every step must make progress. Returns the step count."""
     steps = 0
@@ -207,7 +233,7 @@ def random_trace(rng: random.Random, budget: int, block_size: int, shared_only: 
 
 
 def run_trace(seed: int, budget: int, max_seqs: int, block_size: int, cache: str, caching: bool,
-              shared_only: bool = False) -> Sim:
+              shared_only: bool = False, context_per_budget_token: int = 0) -> Sim:
     """Play a seeded random trace to the end (arrivals and aborts by step), checking every step."""
     rng = random.Random(seed)
     reqs = random_trace(rng, budget, block_size, shared_only)
@@ -215,9 +241,10 @@ def run_trace(seed: int, budget: int, max_seqs: int, block_size: int, cache: str
     need = -(-longest // block_size)
     total = sum(n * -(-(len(p) + m) // block_size) for _, p, m, n, _ in reqs)
     num_blocks = {"tight": need, "medium": 2 * need, "plenty": total}[cache]
-    sim = Sim(num_blocks, block_size, budget, max_seqs, caching)
-    # Generous no-starvation bound: one token of work per step, for every token of every choice.
-    bound = 41 + sum(n * (len(p) + m) for _, p, m, n, _ in reqs)
+    sim = Sim(num_blocks, block_size, budget, max_seqs, caching, context_per_budget_token)
+    # Generous no-starvation bound: one token of work per step, for every token of every choice (twice that
+    # with the attention charge, whose shorter chunks make recomputing a preempted sequence take more steps).
+    bound = (41 + sum(n * (len(p) + m) for _, p, m, n, _ in reqs)) * (2 if context_per_budget_token else 1)
     todo, aborts, step = list(reqs), [], 0
     while todo or sim.sched.has_unfinished():
         while todo and todo[0][0] <= step:
@@ -253,6 +280,15 @@ CONFIGS = [  # token_budget, max_seqs, block_size, KV cache, prefix caching
 @pytest.mark.parametrize("budget,max_seqs,block_size,cache,caching", CONFIGS)
 def test_random_traces(seed, budget, max_seqs, block_size, cache, caching):
     run_trace(seed * 1000 + budget + max_seqs, budget, max_seqs, block_size, cache, caching)
+
+
+@pytest.mark.parametrize("context", [1, 5, 40])
+@pytest.mark.parametrize("budget,max_seqs,block_size,cache,caching", CONFIGS[::2])
+def test_random_traces_with_attention_charge(context, budget, max_seqs, block_size, cache, caching):
+    """Prompt chunks charged for their attention (1: a token attending 3 positions costs more than an
+    8-token budget, so lone tokens must overrun it to progress)."""
+    run_trace(context * 100 + budget + max_seqs, budget, max_seqs, block_size, cache, caching,
+              context_per_budget_token=context)
 
 
 @pytest.mark.parametrize("cache", ["tight", "plenty"])
@@ -295,6 +331,32 @@ def test_long_prompt_is_split_into_exact_chunks():
     (seq,) = sim.add(list(range(21)), max_new=2)
     assert [chunk_sizes(sim.step()) for _ in range(4)] == [[(0, 8)], [(0, 8)], [(0, 5)], [(0, 1)]]
     assert seq.is_finished and seq.num_preemptions == 0
+    sim.check_done()
+
+
+def test_attention_charge_shortens_deeper_chunks():
+    # Budget 16, one budget token per 16 attended positions. Worked by hand from the rule: 11 tokens at
+    # offset 0 spend 11 + ceil(66 / 16) = 16; 8 at 11 spend 8 + ceil((88 + 36) / 16) = 16; 6 at 19 spend
+    # 6 + ceil(135 / 16) = 15 (7 would spend 18); then 5, 5, 4; the last token pending is charged alone.
+    sim = Sim(16, 4, 16, 4, context_per_budget_token=16)
+    (seq,) = sim.add(list(range(40)), max_new=2)
+    batches = [sim.step() for _ in range(8)]
+    assert [chunk_sizes(b) for b in batches] == [[(0, n)] for n in (11, 8, 6, 5, 5, 4, 1, 1)]
+    assert [b.budget_spent for b in batches] == [16, 16, 15, 14, 16, 14, 1, 1]
+    assert seq.is_finished
+    sim.check_done()
+
+
+def test_attention_charge_lets_a_lone_token_overrun_the_budget_to_progress():
+    # One budget token per attended position: the first token of a prompt spends 1 + 1 of a 2-token
+    # budget, each later one 1 + its position + 1, more than the budget, yet one goes each step; the
+    # last pending token is charged alone.
+    sim = Sim(8, 4, 2, 1, context_per_budget_token=1)
+    (seq,) = sim.add(list(range(5)), max_new=1)
+    batches = [sim.step() for _ in range(5)]
+    assert [chunk_sizes(b) for b in batches] == [[(0, 1)]] * 5
+    assert [b.budget_spent for b in batches] == [2, 3, 4, 5, 1]
+    assert seq.is_finished
     sim.check_done()
 
 

@@ -156,7 +156,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.long_rope = long_rope_switch(loaded.model)
         namespace = None if self.long_rope is None else functools.partial(long_rope_namespace, self.long_rope)
-        self.scheduler = Scheduler(self.block_manager, plan.token_budget, plan.max_seqs, namespace)
+        self.scheduler = Scheduler(self.block_manager, plan.token_budget, plan.max_seqs, namespace,
+                                   plan.context_per_budget_token)
         self.sampler = Sampler()
         if config.seed is not None:
             torch.manual_seed(config.seed)

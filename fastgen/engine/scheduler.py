@@ -8,6 +8,15 @@ Every step spends at most `token_budget` tokens over at most `max_seqs` sequence
 Long prompts are thus split across steps and short ones fused into one, so every step costs
 about the same and decode latency stays steady (FastGen's Dynamic SplitFuse).
 
+A chunk's tokens also attend over every earlier token of their sequence, so a chunk deep into a
+long prompt costs more than one at its start. With `context_per_budget_token` = K > 0 a prompt
+chunk of n tokens at offset c spends n + ceil((n*c + n(n+1)/2) / K) of the budget: one token each,
+plus one per K attended positions (K = the positions whose attention costs as much as one token's
+pass through the linears). Deeper chunks are shorter and the steps stay level. Decode rows spend
+one token each: their attention is there whether or not a prompt is chunked beside them, and
+charging it could leave a prompt no budget at all. A chunk gets at least one token while any
+budget is left, so a prompt always progresses.
+
 When the KV cache is full, the newest running sequence is preempted: its blocks are freed and
 it goes back to the waiting queue, ahead of every newer request, to be recomputed later (its generated tokens are
 kept, so its output does not change). New requests are never admitted by preempting others,
@@ -36,6 +45,8 @@ class ScheduledBatch:
     """Each sequence and how many of its uncomputed tokens this step computes."""
     preempted: list[Sequence] = field(default_factory=list)
     """Sequences preempted while building this batch (their KV was freed)."""
+    budget_spent: int = 0
+    """Token budget the chunks spent: their tokens plus the attention charge of prompt chunks."""
 
     @property
     def num_tokens(self) -> int:
@@ -50,14 +61,18 @@ class Scheduler:
     """Decides, step by step, which tokens of which sequences are computed."""
 
     def __init__(self, block_manager: BlockManager, token_budget: int, max_seqs: int,
-                 kv_namespace: Callable[[Sequence], int] | None = None) -> None:
+                 kv_namespace: Callable[[Sequence], int] | None = None, context_per_budget_token: int = 0) -> None:
         """`kv_namespace(seq)`: the prefix-cache namespace a sequence's KV is computed in now (None:
-        always 0; see `BlockManager.match_prefix`)."""
-        for name, value in (("token_budget", token_budget), ("max_seqs", max_seqs)):
+        always 0; see `BlockManager.match_prefix`). `context_per_budget_token`: the attention charge
+        of prompt chunks (the module's docstring; 0 = chunks spend their tokens only)."""
+        for name, value in (("token_budget", token_budget), ("max_seqs", max_seqs),
+                            ("context_per_budget_token", context_per_budget_token)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        if context_per_budget_token < 0:
+            raise ValueError(f"context_per_budget_token must be >= 0, got {context_per_budget_token}")
         if not 1 <= max_seqs <= token_budget:
             raise ValueError(f"max_seqs must be in [1, token_budget={token_budget}], got {max_seqs}")
         self.block_manager = block_manager
@@ -66,6 +81,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.kv_namespace = kv_namespace
+        self.context_per_budget_token = context_per_budget_token
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence: by priority (lower first), then arrival order."""
@@ -96,19 +112,40 @@ class Scheduler:
         # urgent is the one preempted.
         running = sorted(self.running, key=lambda s: (s.num_pending_tokens > 1, _order(s)))
         for seq in running:
-            if budget == 0 or len(batch.chunks) == self.max_seqs:
+            if budget <= 0 or len(batch.chunks) == self.max_seqs:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_pending_tokens, budget)
+            num_new = self.fit(seq, budget)
             if not self._allocate_or_preempt(seq, num_new, scheduled, batch):
                 continue
-            batch.chunks.append((seq, num_new))
+            self._add(batch, seq, num_new)
             scheduled.add(seq.seq_id)
-            budget -= num_new
+            budget = self.token_budget - batch.budget_spent
         if not batch.preempted:
-            self._admit_waiting(batch, budget)
+            self._admit_waiting(batch)
         return batch
+
+    def charge(self, seq: Sequence, num_new: int) -> int:
+        """Budget tokens that computing `num_new` of `seq`'s pending tokens spends: one each, plus the
+        attention charge when they are a prompt chunk (more than one token pending)."""
+        if not self.context_per_budget_token or seq.num_pending_tokens == 1:
+            return num_new
+        attended = num_new * seq.num_computed_tokens + num_new * (num_new + 1) // 2
+        return num_new + -(-attended // self.context_per_budget_token)
+
+    def fit(self, seq: Sequence, budget: int) -> int:
+        """The most of `seq`'s pending tokens whose charge fits `budget` (at least one, for progress)."""
+        low, high = 1, min(seq.num_pending_tokens, budget)
+        if self.context_per_budget_token:
+            while low < high:  # the charge grows with the chunk: the longest that fits
+                mid = (low + high + 1) // 2
+                low, high = (mid, high) if self.charge(seq, mid) <= budget else (low, mid - 1)
+        return high
+
+    def _add(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
+        batch.budget_spent += self.charge(seq, num_new)
+        batch.chunks.append((seq, num_new))
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
         """Get KV blocks for `seq`, preempting the newest unscheduled running sequences if needed.
@@ -124,9 +161,9 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch) -> None:
         """Start waiting sequences in arrival order while budget, seats and blocks last."""
-        while self.waiting and budget > 0 and len(batch.chunks) < self.max_seqs:
+        while self.waiting and batch.budget_spent < self.token_budget and len(batch.chunks) < self.max_seqs:
             seq = self.waiting[0]
             # Cached tokens have no logits: a request for prompt logprobs computes its whole prompt.
             if seq.num_computed_tokens == 0 and seq.prompt_logprobs is None:
@@ -134,7 +171,7 @@ class Scheduler:
                 seq.num_computed_tokens = cached
                 if seq.num_preemptions == 0:
                     seq.num_cached_prompt_tokens = cached
-            num_new = min(seq.num_pending_tokens, budget)
+            num_new = self.fit(seq, self.token_budget - batch.budget_spent)
             if not self.block_manager.allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new,
                                                self._namespace(seq)):
                 # Keep the prefix hit for the next try would pin blocks while waiting: let go.
@@ -144,8 +181,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.chunks.append((seq, num_new))
-            budget -= num_new
+            self._add(batch, seq, num_new)
 
     def _namespace(self, seq: Sequence) -> int:
         return 0 if self.kv_namespace is None else self.kv_namespace(seq)
@@ -211,6 +247,8 @@ class Scheduler:
         seq.finish_reason = reason
 
 
-def _order(seq: Sequence) -> tuple[int, int]:
-    """Scheduling order: lower priority value first, then first come, first served."""
-    return (seq.params.priority, seq.arrival)
+def _order(seq: Sequence) -> tuple[int, int, int]:
+    """Scheduling order: lower priority value first, then first come, first served; the choices of one
+    request (one arrival) by their index, so one of them is always the oldest: without a strict order
+    two choices recomputing after preemption could preempt each other in turn forever."""
+    return (seq.params.priority, seq.arrival, seq.index)

@@ -37,12 +37,18 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
+def _check_int_from(minimum: int) -> Callable[[str, Any], int]:
+    def check(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if value < minimum:
+            raise ValueError(f"{name} must be {'positive' if minimum == 1 else f'>= {minimum}'}, got {value}")
+        return value
+    return check
+
+
+_check_positive_int = _check_int_from(1)
+_check_non_negative_int = _check_int_from(0)
 
 
 def _check_group_size(name: str, value: Any) -> int:
@@ -141,6 +147,11 @@ class Plan:
     token_budget: int = plan_field(
         "tokens computed per step (Dynamic SplitFuse; FastGen's max_ragged_batch_size)", "int | None", int,
         _check_positive_int)
+    context_per_budget_token: int = plan_field(
+        "attention charge of a prompt chunk against token_budget: a chunk of n tokens at offset c spends "
+        "n + ceil((n*c + n(n+1)/2) / this) budget tokens, one more per this many positions its tokens attend, so "
+        "chunks deeper into a long prompt are shorter and steps stay level; 0 = a chunk spends its tokens only",
+        "int | None", int, _check_non_negative_int)
     max_seqs: int = plan_field(
         "sequences per step (FastGen's max_ragged_sequence_count), at most token_budget", "int | None", int,
         _check_positive_int)

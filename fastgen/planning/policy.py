@@ -47,6 +47,10 @@ OFFLINE_BUDGET_EVIDENCE = ("on a 2-core EPYC SmolLM2-135M (fp32, 128 requests) m
                            "227-264 with 512, 249 with 768 and 255 with 2048")
 FAST_OFFLINE_BUDGET_EVIDENCE = ("on a 2-core AMX Xeon SmolLM2-135M (bf16, 128 requests) made 1218-1242 tok/s with "
                                 "512-token steps, 1298 with 1024, 1379-1383 with 2048 and 1384 with 4096")
+SPLITFUSE_CHARGE_EVIDENCE = (
+    "Both run at about one rate in a chunk step (AMX Xeon, bf16, a 248-token chunk of a 15M model: linears "
+    "~0.57 TFLOP/s, attention over 1860 positions ~0.54), and the charge took that model's p99 inter-token "
+    "latency from 3.60x to 4.41x below whole-prompt steps at a 256-token budget (scripts/bench_splitfuse.py)")
 # Every step streams all weights once; the budget keeps that under 10% of a step's matmul time.
 CPU_STREAM_SHARE = 0.1
 A100_BF16_TFLOPS = 312.0  # the GPU FastGen's 768-token budget was tuned on (dense bf16 spec)
@@ -87,6 +91,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     if "token_budget" not in user and floor > budget:
         budget = floor
         reasons["token_budget"] = f"raised to {floor} to hold the buckets/max_seqs you set"
+    context = pick("context_per_budget_token", lambda: _choose_context_charge(model, offline))
     max_seqs = pick("max_seqs", lambda: (min(FASTGEN_MAX_SEQS, budget),
                                          f"FastGen's {FASTGEN_MAX_SEQS} sequences per step, at most token_budget "
                                          "(each scheduled sequence gets at least one token)"))
@@ -157,7 +162,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     reasons["kv_cache_memory"] = kv[1]
     reasons = {name: reasons[name] for name in PLAN_FIELDS}
     return Plan(dtype=dtype, quantization=quant, quantization_group_size=group, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
-                buckets=tuple(buckets), token_budget=budget, max_seqs=max_seqs, block_size=block_size,
+                buckets=tuple(buckets), token_budget=budget, context_per_budget_token=context, max_seqs=max_seqs, block_size=block_size,
                 kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory,
                 weight_prepack=prepack, gemv_weights=gemv, tensor_parallel=tp, replica_num=replicas, reasons=reasons)
 
@@ -407,6 +412,19 @@ def _choose_token_budget(model: ModelFacts, hw: Hardware, dtype: torch.dtype, of
                       f"{A100_BF16_TFLOPS:.0f} FastGen tuned {FASTGEN_TOKEN_BUDGET} on; {scaled:.0f} tokens keep its "
                       "step time, rounded to 2048")
     return FASTGEN_TOKEN_BUDGET, f"FastGen's default ({FASTGEN_TOKEN_BUDGET}), tuned on A100-class GPUs"
+
+
+def _choose_context_charge(model: ModelFacts, offline: bool) -> tuple[int, str]:
+    """Serving: the attended positions whose attention FLOPs (4 x heads x head_dim a layer) equal one token's
+    linear FLOPs (2 x a layer's active parameters); an offline batch: no charge."""
+    if offline:
+        return 0, ("an offline batch is judged by its total throughput, not by step latency: a prompt chunk "
+                   "spends its tokens only (fewer, longer steps)")
+    per_layer = (model.active_params - model.vocab_size * model.hidden_size) // model.num_layers
+    context = max(1, per_layer // (2 * model.num_heads * model.head_dim))
+    return context, (f"a layer's linears take 2 x {format_count(per_layer)} FLOPs a token, attention 4 x "
+                     f"{model.num_heads} heads x {model.head_dim} a position: {context} positions cost one token. "
+                     f"{SPLITFUSE_CHARGE_EVIDENCE}")
 
 
 def _choose_buckets(hw: Hardware, budget: int) -> tuple[tuple[int, ...], str]:
