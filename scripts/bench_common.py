@@ -116,19 +116,26 @@ def profile_shares(prof) -> dict[str, float]:
             "other": max(0.0, 1 - (attention + matmul) / total)}
 
 
-def run_offline(model: str, requests: list[tuple[list[int], int]], around_steps=None, **options) -> float:
+def run_offline(model: str, requests: list[tuple[list[int], int]], around_steps=None,
+                warm: list[tuple[list[int], int]] | None = None, **options) -> float:
     """Seconds for a fastgen pipeline to serve every (prompt ids, output length) request, all
-    submitted at once, greedy with EOS ignored; start-up and a warm-up request are not timed.
-    `around_steps` (a context manager, e.g. a `torch.profiler.profile`) wraps the stepping loop."""
+    submitted at once, greedy with EOS ignored; start-up and a warm-up request (or the `warm`
+    requests, run the same way) are not timed. `around_steps` (a context manager, e.g. a
+    `torch.profiler.profile`) wraps the stepping loop."""
     pipe = fastgen.pipeline(model, progress=False, **options)
-    pipe([requests[0][0]], max_new_tokens=2, do_sample=False, ignore_eos=True)
-    engine = pipe.engine
+    run_all(pipe.engine, warm or [(requests[0][0], 2)])
     start = time.perf_counter()
-    for prompt, out_len in requests:
-        engine.add_request(prompt, fastgen.SamplingParams(do_sample=False, max_new_tokens=out_len, ignore_eos=True))
     with around_steps or contextlib.nullcontext():
-        while engine.has_unfinished():
-            engine.step()
+        run_all(pipe.engine, requests)
     elapsed = time.perf_counter() - start
     pipe.destroy()
     return elapsed
+
+
+def run_all(engine: fastgen.Engine, requests: list[tuple[list[int], int]]) -> None:
+    """Submit every (prompt ids, output length) request at once (greedy, EOS ignored) and step `engine`
+    until all are done."""
+    for prompt, out_len in requests:
+        engine.add_request(prompt, fastgen.SamplingParams(do_sample=False, max_new_tokens=out_len, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()

@@ -19,15 +19,18 @@ TTFT <= prompt_tokens / (unloaded prefill tokens/s x `--sla-fraction`) and a gen
 smoothed over windows of 8 tokens, >= unloaded decode tokens/s x `--sla-fraction` (default 0.25;
 `--sla-prompt-rate`/`--sla-gen-rate` set them directly).
 
-The largest level's requests also run through the offline pipeline in this process (all submitted
-at once) with at most as many in flight as there are clients (16 clients never have more than 16
-requests in flight), alternating with `--repeats` runs of that level while the server idles (offline,
-serving, offline, serving, offline; each repeat with new requests of the same shape, which the
-server's prefix cache has never seen): the goal's ratio, what serving costs, is the serving runs'
-mean over the offline runs' mean. After the server is terminated they run offline once more with the
-server's `--max-seqs` in flight, then as the same closed loop in this process without gRPC (client
-threads on an `EngineLoop` that the main thread steps, as the server does), which separates what the
-closed loop's load shape costs from what gRPC costs.
+The largest level's requests also run through the offline pipeline (all submitted at once) with at
+most as many in flight as there are clients (16 clients never have more than 16 requests in
+flight), alternating with `--repeats` runs of that level while the server idles (offline, serving,
+offline, serving, offline; each repeat with new requests of the same shape, which the server's
+prefix cache has never seen): the goal's ratio, what serving costs, is the serving runs' mean over
+the offline runs' mean. After the server is terminated they run offline once more with the server's
+`--max-seqs` in flight, then as the same closed loop without gRPC (client threads on an
+`EngineLoop` that the main thread steps, as the server does), which separates what the closed
+loop's load shape costs from what gRPC costs. Each of these runs in a fresh process, as the server
+is one, whose engine first serves other requests of the same shape untimed, as the server has
+before a level: memory a process touched once is cheap to touch again (a first touch is a page
+fault), so runs in one process got faster one after another.
 Each level also records where CPU time went (server threads from /proc, the benchmark's own client
 threads): on a small machine the clients share the server's cores. The server is always terminated
 (also on errors and Ctrl-C). Prints tables, writes JSON (bench_results/serving.json) and plots
@@ -37,6 +40,7 @@ throughput vs latency (bench_results/serving.png).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import shutil
 import signal
@@ -46,17 +50,20 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import torch
 import transformers
-from bench_common import build_llama_checkpoint, latency_summary, pyplot_or_none, run_offline, workload, write_json
+from bench_common import (build_llama_checkpoint, latency_summary, pyplot_or_none, run_all, run_offline, workload,
+                          write_json)
 
 import fastgen
 from fastgen.engine import EngineLoop
 
 SMOOTH_WINDOW = 8
 REPEAT_SEED = 1000  # seed offset between repeats of the top level (levels use seed + i, Poisson seed + 100 + j)
+WARM_SEED = 500  # seed offset of the requests an offline run's engine serves untimed first
 
 
 def free_port() -> int:
@@ -257,24 +264,41 @@ def total_tokens(requests: list) -> int:
     return sum(len(p) + o for p, o in requests)
 
 
-def offline(model: str, args: argparse.Namespace, requests: list, max_seqs: int | None = None) -> float:
-    """Total tokens/s of the offline pipeline on `requests`, all submitted at once; `max_seqs` caps the
-    sequences in flight (default: the server's `--max-seqs`)."""
+def in_fresh_process(fn, *args, **kwargs):
+    """`fn(*args)` in a new Python process, as the server is one. Memory a process has touched once is
+    cheap to touch again, and a first touch costs a page fault (~3.5-12 us a 4 KiB page on these VMs):
+    offline runs one after another in this process ran up to 1.5x faster than the first (16K page
+    faults against 108K for the same 96 requests), which made them a moving baseline."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
+def offline(model: str, args: argparse.Namespace, requests: list, warm: list, max_seqs: int | None = None) -> float:
+    """Total tokens/s of the offline pipeline on `requests`, all submitted at once, in a fresh process,
+    after `warm` (other requests of the same shape) ran through the same engine untimed, as the server
+    has served other requests before a level; `max_seqs` caps the sequences in flight (default: the
+    server's `--max-seqs`)."""
     options = _engine_options(args)
     if max_seqs is not None:
         options["max_seqs"] = max_seqs
-    return total_tokens(requests) / run_offline(model, requests, **options)
+    return total_tokens(requests) / in_fresh_process(run_offline, model, requests, warm=warm, **options)
 
 
-def in_process_closed_loop(model: str, args: argparse.Namespace, requests: list, concurrency: int) -> float:
-    """Total tokens/s of the same closed loop without gRPC: `concurrency` threads of this process
-    submit to an `EngineLoop` (stepped by this, the main, thread) and read their deltas, each sending
-    its next request when the last one finished. Against `offline` it measures the closed loop's load
-    shape (requests in flight drop while a client turns around, and at the end); against the server,
-    gRPC's cost."""
-    pipe = fastgen.pipeline(model, progress=False, **_engine_options(args))
+def in_process_closed_loop(model: str, args: argparse.Namespace, requests: list, warm: list,
+                           concurrency: int) -> float:
+    """Total tokens/s of the same closed loop without gRPC, in a fresh process after `warm` (as in
+    `offline`): `concurrency` threads submit to an `EngineLoop` (stepped by the main thread) and read
+    their deltas, each sending its next request when the last one finished. Against `offline` it
+    measures the closed loop's load shape (requests in flight drop while a client turns around, and
+    at the end); against the server, gRPC's cost."""
+    return in_fresh_process(_closed_loop_tps, model, _engine_options(args), requests, warm, concurrency)
+
+
+def _closed_loop_tps(model: str, options: dict, requests: list, warm: list, concurrency: int) -> float:
+    """`in_process_closed_loop`'s body, in its own process."""
+    pipe = fastgen.pipeline(model, progress=False, **options)
     try:
-        pipe([requests[0][0]], max_new_tokens=2, do_sample=False, ignore_eos=True)
+        run_all(pipe.engine, warm)
         # Stepped on this (the main) thread, as scripts/serve.py steps its engine (see EngineLoop.run).
         loop = EngineLoop(pipe.engine, thread=False)
 
@@ -429,21 +453,22 @@ def main() -> None:
         for i, c in enumerate(args.levels):
             n = max(args.min_requests, args.requests_per_client * c)
             reqs = workload(n, args.prompt_mean, args.output_mean, vocab, args.seed + i)
+            warm = workload(n, args.prompt_mean, args.output_mean, vocab, args.seed + i + WARM_SEED)
             last = i == len(args.levels) - 1
             if last and not args.no_offline:
                 # The goal's baseline, measured around this level while the server idles: the machine's
                 # speed drifts by 20% within minutes, so a ratio against one offline run taken a minute
                 # later would mostly measure the drift.
-                bracket.append(offline(model, args, reqs, top_concurrency))
+                bracket.append(offline(model, args, reqs, warm, top_concurrency))
             server_before, client_before = process_cpu_seconds(proc.pid), time.process_time()
             records, seconds = closed_loop(served, reqs, c)
             cpu = cpu_split(server_before, process_cpu_seconds(proc.pid), time.process_time() - client_before, seconds)
             if sla is None:
                 sla = derive_sla(records, args)
             closed[str(c)] = {**summarise(records, seconds, sla), "cpu": cpu}
-            biggest = reqs
+            biggest, biggest_warm = reqs, warm
             if last and not args.no_offline:
-                bracket.append(offline(model, args, reqs, top_concurrency))
+                bracket.append(offline(model, args, reqs, warm, top_concurrency))
             print(f"  {c:>3} clients: {n} requests in {seconds:.1f} s; CPU s: engine thread "
                   f"{cpu['engine_thread_cpu_s']:.1f}, intra-op worker {cpu['intra_op_worker_cpu_s']:.1f}, other server "
                   f"threads {cpu['other_server_threads_cpu_s']:.1f}, clients {cpu['client_cpu_s']:.1f}")
@@ -454,9 +479,11 @@ def main() -> None:
             # shape: the server's prefix cache still holds the last run's prompts, and a repeat of them
             # would skip their prefill (measured: the repeats then ran 1.3-1.6x faster than the first run).
             again = workload(len(biggest), args.prompt_mean, args.output_mean, vocab, args.seed + REPEAT_SEED * k)
+            warm = workload(len(biggest), args.prompt_mean, args.output_mean, vocab,
+                            args.seed + REPEAT_SEED * k + WARM_SEED)
             _, seconds = closed_loop(served, again, args.levels[-1])
             top_runs.append(total_tokens(again) / seconds)
-            bracket.append(offline(model, args, again, top_concurrency))
+            bracket.append(offline(model, args, again, warm, top_concurrency))
         for j, rate in enumerate(args.rate_list):
             reqs = workload(args.poisson_requests, args.prompt_mean, args.output_mean, vocab, args.seed + 100 + j)
             records, seconds = poisson(client, reqs, rate, args.seed + j)
@@ -468,8 +495,8 @@ def main() -> None:
         offline_tps = offline_same_tps = loop_tps = None
         if not args.no_offline:
             offline_same_tps = sum(bracket) / len(bracket)
-            offline_tps = offline(model, args, biggest)
-            loop_tps = in_process_closed_loop(model, args, biggest, args.levels[-1])
+            offline_tps = offline(model, args, biggest, biggest_warm)
+            loop_tps = in_process_closed_loop(model, args, biggest, biggest_warm, args.levels[-1])
     finally:
         if proc is not None:
             stop_server(proc)
@@ -494,7 +521,7 @@ def main() -> None:
               f"alternating with {len(top_runs)} runs of that level: offline "
               f"{', '.join(f'{t:.0f}' for t in bracket)} and serving {', '.join(f'{t:.0f}' for t in top_runs)} "
               f"total tok/s; serving = {100 * same_ratio:.0f}% of offline, mean over mean (target >= 90%)")
-        print(f"the same closed loop in this process, without gRPC ({args.levels[-1]} threads on an EngineLoop): "
+        print(f"the same closed loop without gRPC ({args.levels[-1]} threads on an EngineLoop): "
               f"{loop_tps:.1f} total tok/s = {100 * loop_tps / offline_tps:.0f}% of offline; serving over gRPC = "
               f"{100 * top / loop_tps:.0f}% of it")
     write_json(args.out, {"args": vars(args), "threads": torch.get_num_threads(),
