@@ -27,6 +27,13 @@ import torch
 GEMV_MAX_ROWS = 4
 """Inputs of at most this many rows take the grouped GEMV (`gemv_linear`); more rows are a GEMM."""
 
+# One row of these dtypes takes `torch.mv`: with no BLAS GEMV for them, ATen runs its own kernel over
+# all cores, and it streamed bf16 weights faster than the grouped bmm on a 2-core AMX Xeon (GB/s, 30
+# distinct weights: 960 x 576 16.3-19.1 against 15.3-16.4, 3072 x 576 20.2-20.3 against 19.7-19.9,
+# 576 x 1536 19.9-20.2 against 11.3-11.7; the 49152 x 576 LM head 18.3-32.5 against 31.1-35.3, a tie
+# within that machine's noise). fp32 keeps the grouped bmm: its `mv` is MKL's one-core GEMV.
+_ATEN_MV_DTYPES = (torch.bfloat16, torch.float16)
+
 
 def gemv_groups(out_features: int, threads: int) -> int:
     """Slices to split `out_features` output rows into for `threads` cores: the largest count up to
@@ -49,6 +56,9 @@ def gemv_linear(x: torch.Tensor, grouped_weight: torch.Tensor, bias: torch.Tenso
     groups, rows_per_group, in_features = grouped_weight.shape
     flat = x.reshape(-1, in_features)
     out_shape = (*x.shape[:-1], groups * rows_per_group)
+    if flat.shape[0] == 1 and grouped_weight.dtype in _ATEN_MV_DTYPES:
+        out = torch.mv(grouped_weight.view(-1, in_features), flat[0]).view(out_shape)
+        return out if bias is None else out + bias
     # The columns keep the transposed strides even for one row: an input column of strides (0, 1, 1)
     # took a bmm path 2.7x slower (840 against 310 us a call, 2-core EPYC).
     out = torch.bmm(grouped_weight, flat.t().expand(groups, in_features, flat.shape[0]))

@@ -33,6 +33,18 @@ def test_op_equals_f_linear(groups, rows, bias):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_op_equals_f_linear_in_half_precision(dtype, rows):
+    # One row takes torch.mv, two the grouped bmm: both sum in fp32 and round once, as F.linear.
+    torch.manual_seed(rows)
+    weight, x, b = torch.randn(96, 80).to(dtype), torch.randn(rows, 80).to(dtype), torch.randn(96).to(dtype)
+    got = gemv_linear(x, group_weight(weight, 2), b)
+    assert got.shape == (rows, 96) and got.dtype == dtype and got.is_contiguous()
+    reference = (x.double() @ weight.double().t() + b.double()).to(dtype)
+    torch.testing.assert_close(got, reference, rtol=1.6e-2, atol=1e-2)
+
+
 def test_groups_divide_the_output_rows():
     assert gemv_groups(49152, 2) == 2
     assert gemv_groups(960, 16) == 16
