@@ -100,7 +100,8 @@ def write_json(path: str, payload: dict) -> None:
     print(f"\nwrote {path}")
 
 
-_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "mkldnn::")
+_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv", "aten::bmm", "aten::baddbmm", "aten::linear",
+               "mkldnn::")
 
 
 def profile_shares(prof) -> dict[str, float]:
