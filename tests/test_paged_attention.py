@@ -304,6 +304,27 @@ def test_layers_of_a_step_share_its_plans(num_rows, planner, monkeypatch):
     assert planned == [0, 5]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 7])
+def test_a_later_chunk_takes_the_steps_additive_mask_bit_for_bit(dtype, window):
+    """A prompt chunk after earlier ones attends through an additive mask built once a step (kept in
+    the step's plans for the other layers): bit for bit what SDPA gives with the bool mask."""
+    from fastgen.ops.paged_attention import _attend_one
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, h, 32, generator=gen).to(dtype) for n, h in ((5, 4), (19, 2), (19, 2)))
+    plans: dict = {}
+    got = [_attend_one(q, k * layer, v, 0.17, window, 0.0, plans) for layer in (1, 2)]
+    assert len(plans) == 1  # one mask for both layers
+    q_pos, k_pos = torch.arange(14, 19)[:, None], torch.arange(19)[None, :]
+    visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    for layer, out in zip((1, 2), got):
+        expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], (k * layer).transpose(0, 1)[None],
+                                                  v.transpose(0, 1)[None], attn_mask=visible[None, None],
+                                                  scale=0.17, enable_gqa=True)[0].transpose(0, 1)
+        assert torch.equal(out, expected)
+
+
 # The Triton kernel, under the interpreter ---------------------------------------------------------
 
 # (name, harness keywords, batch kind, pad tokens, pad rows): small shapes, the interpreter is slow.
