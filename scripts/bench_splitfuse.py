@@ -11,7 +11,8 @@ only sees the engine. Two runs in one process, same workload and arrival times:
 - splitfuse: the plan's token budget (or `--token-budget`) and attention charge
   (`context_per_budget_token`), prompts cut into chunks that fill it;
 - whole-prompt: token budget = prompt length + streams and no charge, so a whole prompt goes in one step.
-Both use the plan's block size and the same max_seqs and KV cache size. The default interval
+Both use the plan's block size and the same max_seqs and KV cache size; the two alternate
+`--repeats` times (2), each mode's ITLs and tokens pooled over its runs. The default interval
 makes the ITLs that span a whole-prompt step ~2% of all: with fewer than 1% p99 cannot see them.
 Reported: the streams' inter-token latency (ITL) p50/p90/p99 and total tokens/s (prompt + generated tokens over the window from the first
 arrival until the last long prompt finishes). Prints a table, writes JSON
@@ -112,6 +113,17 @@ def run_mode(path: str, args: argparse.Namespace, token_budget: int | None, voca
             "itl_samples": itls}
 
 
+def pool(runs: list[dict]) -> dict:
+    """One mode's repeats as one run: ITL samples, steps, tokens and seconds added up."""
+    if len(runs) == 1:
+        return runs[0]
+    itls = [x for r in runs for x in r["itl_samples"]]
+    summed = {key: sum(r[key] for r in runs) for key in ("seconds", "steps", "long_prompts", "prompt_tokens",
+                                                         "generated_tokens")}
+    return {**runs[0], **summed, "total_tokens_per_s": (summed["prompt_tokens"] + summed["generated_tokens"])
+            / summed["seconds"], "itl": latency_summary(itls), "itl_samples": itls, "repeats": len(runs)}
+
+
 def plot(results: dict[str, dict], path: str) -> None:
     """Empirical CDFs of the two ITL distributions on a log time axis."""
     plt = pyplot_or_none()
@@ -149,13 +161,15 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=None, help="SplitFuse budget (default: the plan's)")
     parser.add_argument("--context-per-budget-token", type=int, default=None,
                         help="SplitFuse's attention charge (default: the plan's; 0 = none)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each mode, alternating; their ITLs and tokens are pooled")
     parser.add_argument("--max-seqs", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_results/splitfuse.json")
     parser.add_argument("--plot", default="bench_results/splitfuse_itl.png")
     args = parser.parse_args()
-    if args.prompt_len < 1 or args.interval <= 0 or args.duration <= 0 or args.streams < 1:
-        raise ValueError("--prompt-len and --streams must be >= 1, --interval and --duration > 0")
+    if args.prompt_len < 1 or args.interval <= 0 or args.duration <= 0 or args.streams < 1 or args.repeats < 1:
+        raise ValueError("--prompt-len, --streams and --repeats must be >= 1, --interval and --duration > 0")
     whole_budget = args.prompt_len + args.streams
     if args.max_seqs > whole_budget or args.max_seqs < args.streams + 1:
         raise ValueError(f"--max-seqs must be in [{args.streams + 1}, {whole_budget}] (streams + a prompt, "
@@ -172,10 +186,16 @@ def main() -> None:
         charge = {"context_per_budget_token": args.context_per_budget_token}
         if args.context_per_budget_token is None:
             charge = {}
-        results = {"splitfuse": run_mode(tmp, args, args.token_budget, vocab, **charge),
-                   "whole-prompt": run_mode(tmp, args, whole_budget, vocab, context_per_budget_token=0)}
+        runs: dict[str, list[dict]] = {"splitfuse": [], "whole-prompt": []}
+        for _ in range(args.repeats):  # alternating, so a slow minute of the machine falls on both modes
+            runs["splitfuse"].append(run_mode(tmp, args, args.token_budget, vocab, **charge))
+            runs["whole-prompt"].append(run_mode(tmp, args, whole_budget, vocab, context_per_budget_token=0))
+        results = {name: pool(mode_runs) for name, mode_runs in runs.items()}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.repeats > 1:
+        ratios = [w["itl"]["p99"] / f["itl"]["p99"] for f, w in zip(runs["splitfuse"], runs["whole-prompt"])]
+        print(f"per-repeat p99 ratios: {', '.join(f'{r:.2f}x' for r in ratios)}")
 
     print(f"\n{'mode':<14}{'budget':>8}{'charge':>8}{'steps':>7}{'ITL p50':>10}{'p90':>9}{'p99':>9}{'p99.9':>9}"
           f"{'max':>9}{'total tok/s':>13}")
