@@ -7,16 +7,17 @@ A Llama-shaped model with random weights (bf16, 4 layers x 512 by default, sized
 runs `--streams` requests that decode steadily (EOS ignored; a stream that reaches its length is
 replaced). Every `--interval` seconds for `--duration` seconds a prompt of `--prompt-len` tokens
 arrives (it generates `--prompt-new-tokens` tokens). The Engine is driven directly, so the clock
-only sees the engine. Two runs in one process, same workload and arrival times:
+only sees the engine. Two modes in one process, same workload and arrival times:
 - splitfuse: the plan's token budget (or `--token-budget`) and attention charge
   (`context_per_budget_token`), prompts cut into chunks that fill it;
 - whole-prompt: token budget = prompt length + streams and no charge, so a whole prompt goes in one step.
 Both use the plan's block size and the same max_seqs and KV cache size; the two alternate
 `--repeats` times (2), each mode's ITLs and tokens pooled over its runs. The default interval
 makes the ITLs that span a whole-prompt step ~2% of all: with fewer than 1% p99 cannot see them.
-Reported: the streams' inter-token latency (ITL) p50/p90/p99 and total tokens/s (prompt + generated tokens over the window from the first
-arrival until the last long prompt finishes). Prints a table, writes JSON
-(bench_results/splitfuse.json) and plots both ITL distributions (bench_results/splitfuse_itl.png).
+Reported: the streams' inter-token latency (ITL) p50/p90/p99 and total tokens/s (prompt +
+generated tokens over the window from the first arrival until the last long prompt finishes).
+Prints a table, writes JSON (bench_results/splitfuse.json) and plots both ITL distributions
+(bench_results/splitfuse_itl.png).
 """
 
 from __future__ import annotations

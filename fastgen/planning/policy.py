@@ -50,7 +50,8 @@ FAST_OFFLINE_BUDGET_EVIDENCE = ("on a 2-core AMX Xeon SmolLM2-135M (bf16, 128 re
 SPLITFUSE_CHARGE_EVIDENCE = (
     "Both run at about one rate in a chunk step (AMX Xeon, bf16, a 248-token chunk of a 15M model: linears "
     "~0.57 TFLOP/s, attention over 1860 positions ~0.54), and the charge took that model's p99 inter-token "
-    "latency from 3.60x to 4.41x below whole-prompt steps at a 256-token budget (scripts/bench_splitfuse.py)")
+    "latency from 3.71x to 4.04x and 4.21x below whole-prompt steps at a 256-token budget, at -3.8% and -2.9% "
+    "throughput against them (-1.1% without the charge; scripts/bench_splitfuse.py)")
 # Every step streams all weights once; the budget keeps that under 10% of a step's matmul time.
 CPU_STREAM_SHARE = 0.1
 A100_BF16_TFLOPS = 312.0  # the GPU FastGen's 768-token budget was tuned on (dense bf16 spec)
@@ -162,7 +163,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     reasons["kv_cache_memory"] = kv[1]
     reasons = {name: reasons[name] for name in PLAN_FIELDS}
     return Plan(dtype=dtype, quantization=quant, quantization_group_size=group, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
-                buckets=tuple(buckets), token_budget=budget, context_per_budget_token=context, max_seqs=max_seqs, block_size=block_size,
+                buckets=tuple(buckets), token_budget=budget, context_per_budget_token=context, max_seqs=max_seqs,
+                block_size=block_size,
                 kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory,
                 weight_prepack=prepack, gemv_weights=gemv, tensor_parallel=tp, replica_num=replicas, reasons=reasons)
 
