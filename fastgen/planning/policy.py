@@ -418,7 +418,9 @@ def _choose_token_budget(model: ModelFacts, hw: Hardware, dtype: torch.dtype, of
 
 def _choose_context_charge(model: ModelFacts, offline: bool) -> tuple[int, str]:
     """Serving: the attended positions whose attention FLOPs (4 x heads x head_dim a layer) equal one token's
-    linear FLOPs (2 x a layer's active parameters); an offline batch: no charge."""
+    linear FLOPs (2 x a layer's active parameters); an offline batch: no charge. The Scheduler counts every
+    earlier position, also for sliding-window layers, which attend at most their window: past the window a
+    chunk of such a model is charged more than it costs, so its chunks there are shorter than they need be."""
     if offline:
         return 0, ("an offline batch is judged by its total throughput, not by step latency: a prompt chunk "
                    "spends its tokens only (fewer, longer steps)")
