@@ -103,7 +103,6 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Build the next step's batch within the token budget and `max_seqs`."""
         batch = ScheduledBatch()
-        budget = self.token_budget
         scheduled: set[int] = set()
         if self.kv_namespace is not None:
             for seq in [s for s in self.running if self.block_manager.namespace(s.seq_id) != self._namespace(s)]:
@@ -112,16 +111,15 @@ class Scheduler:
         # urgent is the one preempted.
         running = sorted(self.running, key=lambda s: (s.num_pending_tokens > 1, _order(s)))
         for seq in running:
-            if budget <= 0 or len(batch.chunks) == self.max_seqs:
+            if self._left(batch) <= 0 or len(batch.chunks) == self.max_seqs:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self.fit(seq, budget)
+            num_new = self.fit(seq, self._left(batch))
             if not self._allocate_or_preempt(seq, num_new, scheduled, batch):
                 continue
             self._add(batch, seq, num_new)
             scheduled.add(seq.seq_id)
-            budget = self.token_budget - batch.budget_spent
         if not batch.preempted:
             self._admit_waiting(batch)
         return batch
@@ -143,6 +141,9 @@ class Scheduler:
                 low, high = (mid, high) if self.charge(seq, mid) <= budget else (low, mid - 1)
         return high
 
+    def _left(self, batch: ScheduledBatch) -> int:
+        return self.token_budget - batch.budget_spent
+
     def _add(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
         batch.budget_spent += self.charge(seq, num_new)
         batch.chunks.append((seq, num_new))
@@ -163,7 +164,7 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch) -> None:
         """Start waiting sequences in arrival order while budget, seats and blocks last."""
-        while self.waiting and batch.budget_spent < self.token_budget and len(batch.chunks) < self.max_seqs:
+        while self.waiting and self._left(batch) > 0 and len(batch.chunks) < self.max_seqs:
             seq = self.waiting[0]
             # Cached tokens have no logits: a request for prompt logprobs computes its whole prompt.
             if seq.num_computed_tokens == 0 and seq.prompt_logprobs is None:
@@ -171,7 +172,7 @@ class Scheduler:
                 seq.num_computed_tokens = cached
                 if seq.num_preemptions == 0:
                     seq.num_cached_prompt_tokens = cached
-            num_new = self.fit(seq, self.token_budget - batch.budget_spent)
+            num_new = self.fit(seq, self._left(batch))
             if not self.block_manager.allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new,
                                                self._namespace(seq)):
                 # Keep the prefix hit for the next try would pin blocks while waiting: let go.
