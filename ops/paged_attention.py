@@ -121,9 +121,13 @@ def torch_paged_attention(
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         # One query token (a decode, or a one-token prompt chunk): attended block by block, all rows at once.
         single = [s for s, n in enumerate(lens) if n > 0 and starts[s + 1] - starts[s] == 1]
-        plans["offsets"] = starts, lens, single
+        # The others, each attended on its own; listed once a step, not found again by every layer among
+        # up to hundreds of decode rows.
+        chunks = [(s, starts[s], starts[s + 1], n) for s, n in enumerate(lens)
+                  if n > 0 and starts[s + 1] - starts[s] > 1]
+        plans["offsets"] = starts, single, chunks
         plans["slots"] = kv_slots(slot_mapping, k_cache.shape[1])
-    starts, lens, single = plans["offsets"]
+    starts, single, chunks = plans["offsets"]
     # Every token's K/V is written before any sequence attends: a sequence admitted with a prefix-cache
     # hit may read blocks that another sequence of the same step is filling right now.
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plans["slots"])
@@ -132,10 +136,7 @@ def torch_paged_attention(
     if single:
         attend_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, single, [starts[s] for s in single],
                            scale, sliding_window, softcap, out, plans)
-    for s, seq_len in enumerate(lens):
-        q_start, q_end = starts[s], starts[s + 1]
-        if seq_len <= 0 or q_end - q_start <= 1:
-            continue
+    for s, q_start, q_end, seq_len in chunks:
         if seq_len == q_end - q_start:
             # No earlier context (a prompt's first chunk): its K/V are this step's, no gather needed.
             k = key[q_start:q_end].to(k_cache.dtype)
