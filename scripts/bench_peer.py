@@ -20,6 +20,10 @@ VLLM_CPU_KVCACHE_SPACE=4 unless set; a peer that is not installed is skipped wit
 run); bf16 rounding differs between engines, so a late divergence is no bug. "others CPU": the
 share of the machine's CPU that processes outside the engine used while it generated.
 
+`--profile` runs fastgen's timed generation under torch.profiler (slower) and prints its largest ops
+and the seconds torch's own attention and matmul kernels took, against the time 1.5x vLLM's tok/s
+would leave for the whole run.
+
 Prints a table, writes JSON (default bench_results/peer.json) and a plot (bench_results/peer.png).
 A measurement, not a test.
 """
@@ -197,11 +201,19 @@ def run_worker(args: argparse.Namespace) -> None:
     # The worker leads its own session (see spawn_engine): the CPU the machine spent outside it
     # while generating is other tenants' load, which slows every engine here.
     load, busy, own = os.getloadavg(), busy_cpu_seconds(), session_cpu_seconds(os.getsid(0))
+    import torch
+
+    profiler = None
+    if job.get("profile") and args.worker == "fastgen":
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler.__enter__()
     start = time.perf_counter()
     outputs = generate()
     seconds = time.perf_counter() - start
     others = (busy_cpu_seconds() - busy) - (session_cpu_seconds(os.getsid(0)) - own)
-    import torch
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        notes["profile"] = kernel_seconds(profiler)
 
     result = {"t_started": t_started, "t_ready": t_ready, "generate_seconds": seconds,
               "output_tokens": sum(map(len, outputs)), "first_tokens": outputs[0],
@@ -210,6 +222,24 @@ def run_worker(args: argparse.Namespace) -> None:
               **notes}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
+
+
+# The kernels torch itself provides and fastgen calls as they are: its CPU flash attention and the
+# matmuls (oneDNN's packed linears, BLAS). What they take of a run is a floor for any change made
+# around them, in fastgen's own code.
+TORCH_KERNELS = {"attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
+                 "matmul": ("mkldnn::", "aten::mm", "aten::addmm", "aten::mv", "aten::addmv", "aten::bmm",
+                            "aten::baddbmm")}
+
+
+def kernel_seconds(profiler) -> dict:
+    """A CPU profile of the timed run: its ops' self seconds (the 12 largest), and the seconds of each
+    group of `TORCH_KERNELS`."""
+    events = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    groups = {name: sum(e.self_cpu_time_total for e in events if e.key.startswith(prefixes)) / 1e6
+              for name, prefixes in TORCH_KERNELS.items()}
+    return {"total_seconds": sum(e.self_cpu_time_total for e in events) / 1e6, "torch_kernels": groups,
+            "top_ops": [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in events[:12]]}
 
 
 # The run (parent process) -------------------------------------------------------------------------
@@ -344,7 +374,7 @@ def run_model(model_name: str, model: str, engines: list[tuple[str, str, dict]],
             continue
         job = os.path.join(scratch, "job.json")
         with open(job, "w", encoding="utf-8") as f:
-            json.dump({"prompts": prompts, "output_len": args.output_len, "dtype": args.dtype,
+            json.dump({"prompts": prompts, "output_len": args.output_len, "dtype": args.dtype, "profile": args.profile,
                        "options": {"batch": args.hf_batch, **options} if engine == "hf" else options}, f)
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB; vLLM's default would take far more of 24 GiB
@@ -389,10 +419,33 @@ def print_table(rows: list[dict]) -> None:
               f"{r['loadavg_before_generate'][0]:>9.1f}{100 * r['others_cpu_share']:>11.0f}%")
     print("agree: leading greedy tokens of request 0 equal to the reference engine's (vLLM where it ran); "
           "load 1m: when generation began")
+    for r in rows:
+        if "profile" in r:
+            print_profile(r)
     busy = [f"{r['model']}/{r['engine']}" for r in rows if r.get("others_cpu_share", 0) > 0.1]
     if busy:
         print(f"note: other processes used over 10% of the machine's CPU while {', '.join(busy)} generated: "
               "those rows are slowed by sharing the cores, and are not comparable to an idle machine's")
+
+
+def print_profile(row: dict) -> None:
+    """Where a profiled fastgen run's time went, and how much of it torch's own kernels take against
+    the time 1.5x vLLM's tok/s leaves for the whole run (when vLLM ran)."""
+    prof = row["profile"]
+    total = prof["total_seconds"]
+    print(f"\n{row['model']}/{row['engine']} under torch.profiler ({total:.1f} s of ops; the profiler slows "
+          "small ops, so its tok/s above is not the engine's): largest ops by self time")
+    for name, seconds, count in prof["top_ops"]:
+        print(f"  {name:<56}{seconds:>8.2f} s{100 * seconds / total:>6.1f}%{count:>9} calls")
+    kernels = prof["torch_kernels"]
+    floor = sum(kernels.values())
+    print("  torch's own kernels: " + ", ".join(f"{k} {v:.2f} s" for k, v in kernels.items())
+          + f"; together {floor:.2f} s")
+    if "tokens_per_s_vs_vllm" in row:
+        tokens = row["total_tokens_per_s"] * row["generate_seconds"]
+        allowed = tokens / (1.5 * row["total_tokens_per_s"] / row["tokens_per_s_vs_vllm"])
+        print(f"  1.5x vLLM's tok/s in this run allows {allowed:.2f} s for the whole run; torch's own kernels "
+              f"alone took {floor:.2f} s of it, leaving {allowed - floor:.2f} s for everything else")
 
 
 def main() -> None:
@@ -417,6 +470,9 @@ def main() -> None:
     parser.add_argument("--cold-caches", action="store_true",
                         help="give each engine process empty compile caches (Inductor's, vLLM's), so start-up "
                              "includes compiling; by default caches left by earlier runs are used")
+    parser.add_argument("--profile", action="store_true",
+                        help="run fastgen's timed generation under torch.profiler and print where its time went, "
+                             "with the seconds torch's own attention and matmul kernels took (slows its tok/s)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one engine process may take")
     parser.add_argument("--json", default="bench_results/peer.json")
     parser.add_argument("--plot", default="bench_results/peer.png")
