@@ -100,7 +100,7 @@ def write_json(path: str, payload: dict) -> None:
     print(f"\nwrote {path}")
 
 
-_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv", "aten::bmm", "aten::baddbmm", "aten::linear",
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv", "aten::bmm", "aten::baddbmm", "aten::linear",
                "mkldnn::")
 
 
@@ -111,7 +111,7 @@ def profile_shares(prof) -> dict[str, float]:
     total = sum(e.self_cpu_time_total for e in events)
     attention = sum(e.cpu_time_total for e in events if e.key.startswith("fastgen::paged_attention"))
     attention_parts = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select", "aten::index_fill_"}
-    matmul = sum(e.self_cpu_time_total for e in events if e.key.startswith(_MATMUL_OPS))
+    matmul = sum(e.self_cpu_time_total for e in events if e.key.startswith(MATMUL_OPS))
     return {"attention_op": attention / total, "matmul": matmul / total,
             "attention_sdpa_and_gathers": sum(e.self_cpu_time_total for e in events if e.key in attention_parts) / total,
             "other": max(0.0, 1 - (attention + matmul) / total)}

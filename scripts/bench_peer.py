@@ -224,20 +224,16 @@ def run_worker(args: argparse.Namespace) -> None:
         json.dump(result, f)
 
 
-# The kernels torch itself provides and fastgen calls as they are: its CPU flash attention and the
-# matmuls (oneDNN's packed linears, BLAS). What they take of a run is a floor for any change made
-# around them, in fastgen's own code.
-TORCH_KERNELS = {"attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
-                 "matmul": ("mkldnn::", "aten::mm", "aten::addmm", "aten::mv", "aten::addmv", "aten::bmm",
-                            "aten::baddbmm")}
-
-
 def kernel_seconds(profiler) -> dict:
-    """A CPU profile of the timed run: its ops' self seconds (the 12 largest), and the seconds of each
-    group of `TORCH_KERNELS`."""
+    """A CPU profile of the timed run: its ops' self seconds (the 12 largest), and the seconds of the
+    kernels torch itself provides and fastgen calls as they are, its CPU flash attention and the matmuls
+    (oneDNN's packed linears, BLAS): what they take of a run is a floor for any change made around them."""
+    from bench_common import MATMUL_OPS  # fastgen's worker only: vLLM's interpreter lacks what it imports
+
     events = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    kernels = {"attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",), "matmul": MATMUL_OPS}
     groups = {name: sum(e.self_cpu_time_total for e in events if e.key.startswith(prefixes)) / 1e6
-              for name, prefixes in TORCH_KERNELS.items()}
+              for name, prefixes in kernels.items()}
     return {"total_seconds": sum(e.self_cpu_time_total for e in events) / 1e6, "torch_kernels": groups,
             "top_ops": [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in events[:12]]}
 
@@ -374,8 +370,8 @@ def run_model(model_name: str, model: str, engines: list[tuple[str, str, dict]],
             continue
         job = os.path.join(scratch, "job.json")
         with open(job, "w", encoding="utf-8") as f:
-            json.dump({"prompts": prompts, "output_len": args.output_len, "dtype": args.dtype, "profile": args.profile,
-                       "options": {"batch": args.hf_batch, **options} if engine == "hf" else options}, f)
+            json.dump({"prompts": prompts, "output_len": args.output_len, "dtype": args.dtype,
+                       "profile": args.profile, "options": {"batch": args.hf_batch, **options} if engine == "hf" else options}, f)
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB; vLLM's default would take far more of 24 GiB
         if args.cold_caches:
