@@ -11,7 +11,7 @@ workload: `--requests` prompts of random token ids, lengths normal around `--pro
 spread), `--output-len` tokens each, greedy, EOS ignored, all submitted at once (HF: left-padded
 batches of `--hf-batch`).
 
-Each engine runs in a fresh process of this script (`--worker`), one after the other: start-up
+Each engine runs in a fresh process (`peer_worker.py`), one after the other: start-up
 is process spawn to an engine able to serve (fastgen: `pipeline()` returned, compiles included;
 vLLM: `LLM()` returned; HF: model loaded). After an untimed warm-up request, tok/s = (prompt +
 output tokens) / generation wall time. vLLM runs from its own venv (`--vllm-python`), with
@@ -30,8 +30,6 @@ A measurement, not a test.
 
 from __future__ import annotations
 
-# Only the standard library at module level: vLLM's interpreter (its own venv, without fastgen)
-# imports this file for `--worker vllm`, and vLLM's spawned engine process imports it again.
 import argparse
 import json
 import os
@@ -41,9 +39,10 @@ import sys
 import tempfile
 import time
 
+from peer_worker import WORKERS
+
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
-WARMUP_PROMPT = list(range(3, 19))  # shares no prefix with the workload, so no engine's prefix cache is primed
 LLAMA_05B = {"layers": 20, "hidden": 1536}  # ~0.5B parameters with bench_common's Llama shape
 COMPLETE = "bench_peer_complete"  # written last into a converted directory: it is whole
 
@@ -105,139 +104,6 @@ def random_llama_dir() -> str:
     return target
 
 
-# Workers (one fresh process per engine) ----------------------------------------------------------
-
-
-def worker_fastgen(model: str, prompts: list[list[int]], output_len: int, options: dict,
-                   dtype: str) -> tuple[float, list, dict]:
-    """Build a fastgen pipeline; returns (t_ready, generate(prompts) -> per-prompt token ids, notes)."""
-    import fastgen
-
-    pipe = fastgen.pipeline(model, **{"dtype": dtype, "progress": False, **options})
-    t_ready = time.time()
-    gen = dict(do_sample=False, ignore_eos=True)
-    pipe([WARMUP_PROMPT], max_new_tokens=2, **gen)
-    compiles = getattr(pipe.engine.runner, "warmup_seconds", {})  # per bucket, when compile is on
-    return t_ready, lambda: [r.token_ids for r in pipe(prompts, max_new_tokens=output_len, **gen)], \
-        {"buckets": list(compiles), "compile_seconds": sum(compiles.values())}
-
-
-def worker_vllm(model: str, prompts: list[list[int]], output_len: int, options: dict,
-                dtype: str) -> tuple[float, list, dict]:
-    """Build a vLLM `LLM` (its CPU defaults otherwise); same contract as `worker_fastgen`."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(model=model, dtype=dtype, **options)
-    t_ready = time.time()
-    llm.generate([TokensPrompt(prompt_token_ids=WARMUP_PROMPT)],
-                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    generate = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]  # noqa: E731
-    return t_ready, generate, {"vllm_version": sys.modules["vllm"].__version__}
-
-
-def worker_hf(model: str, prompts: list[list[int]], output_len: int, options: dict,
-              dtype: str) -> tuple[float, list, dict]:
-    """Load the model into transformers; generation is left-padded batches of options['batch']."""
-    import torch
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
-    t_ready = time.time()
-    hf.generation_config.eos_token_id = None  # EOS ignored, as for the other engines
-    hf.generation_config.pad_token_id = 0
-    batch_size = int(options.get("batch", 32))
-
-    @torch.inference_mode()
-    def generate(rows: list[list[int]], new: int) -> list[list[int]]:
-        out = []
-        for i in range(0, len(rows), batch_size):
-            batch = rows[i : i + batch_size]
-            width = max(map(len, batch))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-            gen = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-            out += gen[:, width:].tolist()
-        return out
-
-    generate([WARMUP_PROMPT], 2)
-    return t_ready, lambda: generate(prompts, output_len), {"transformers_version": transformers.__version__}
-
-
-def busy_cpu_seconds() -> float:
-    """CPU seconds the whole machine has spent busy since boot (/proc/stat: user, nice, system, irq, softirq)."""
-    with open("/proc/stat", encoding="ascii") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / os.sysconf("SC_CLK_TCK")
-
-
-def session_cpu_seconds(session: int) -> float:
-    """CPU seconds (user + system) of the live processes of `session`: a worker and the engine
-    processes it started (vLLM's are never waited for, so rusage of children would miss them)."""
-    total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except OSError:  # exited meanwhile
-            continue
-        if int(fields[3]) == session:
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-WORKERS = {"fastgen": worker_fastgen, "vllm": worker_vllm, "hf": worker_hf}
-
-
-def run_worker(args: argparse.Namespace) -> None:
-    """Worker mode: build one engine, time the workload, write the result JSON to `--out`."""
-    t_started = time.time()
-    with open(args.requests_file, encoding="utf-8") as f:
-        job = json.load(f)
-    t_ready, generate, notes = WORKERS[args.worker](args.model, job["prompts"], job["output_len"], job["options"],
-                                                    job.get("dtype", "bfloat16"))
-    # The worker leads its own session (see spawn_engine): the CPU the machine spent outside it
-    # while generating is other tenants' load, which slows every engine here.
-    load, busy, own = os.getloadavg(), busy_cpu_seconds(), session_cpu_seconds(os.getsid(0))
-    import torch
-
-    profiler = None
-    if job.get("profile") and args.worker == "fastgen":
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        profiler.__enter__()
-    start = time.perf_counter()
-    outputs = generate()
-    seconds = time.perf_counter() - start
-    others = (busy_cpu_seconds() - busy) - (session_cpu_seconds(os.getsid(0)) - own)
-    if profiler is not None:
-        profiler.__exit__(None, None, None)
-        notes["profile"] = kernel_seconds(profiler)
-
-    result = {"t_started": t_started, "t_ready": t_ready, "generate_seconds": seconds,
-              "output_tokens": sum(map(len, outputs)), "first_tokens": outputs[0],
-              "threads": torch.get_num_threads(), "torch_version": torch.__version__,
-              "loadavg_before_generate": load, "others_cpu_share": max(0.0, others) / (seconds * os.cpu_count()),
-              **notes}
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f)
-
-
-def kernel_seconds(profiler) -> dict:
-    """A CPU profile of the timed run: its ops' self seconds (the 12 largest), and the seconds of the
-    kernels torch itself provides and fastgen calls as they are, its CPU flash attention and the matmuls
-    (oneDNN's packed linears, BLAS): what they take of a run is a floor for any change made around them."""
-    from bench_common import MATMUL_OPS  # fastgen's worker only: vLLM's interpreter lacks what it imports
-
-    events = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    kernels = {"attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",), "matmul": MATMUL_OPS}
-    groups = {name: sum(e.self_cpu_time_total for e in events if e.key.startswith(prefixes)) / 1e6
-              for name, prefixes in kernels.items()}
-    return {"total_seconds": sum(e.self_cpu_time_total for e in events) / 1e6, "torch_kernels": groups,
-            "top_ops": [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in events[:12]]}
-
-
 # The run (parent process) -------------------------------------------------------------------------
 
 
@@ -285,8 +151,7 @@ def spawn_engine(python: str, engine: str, model: str, job: str, out: str, env: 
                  timeout: float) -> dict:
     """Run one worker process to completion (its result JSON goes to `out`); the result with
     start-up seconds, or {'failed': why}."""
-    cmd = [python, os.path.abspath(__file__), "--worker", engine, "--model", model, "--requests-file", job,
-           "--out", out]
+    cmd = [python, os.path.join(SCRIPTS, "peer_worker.py"), engine, model, job, out]
     load = os.getloadavg()
     with open(log, "w", encoding="utf-8") as logf:
         t_spawn = time.time()
@@ -472,17 +337,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one engine process may take")
     parser.add_argument("--json", default="bench_results/peer.json")
     parser.add_argument("--plot", default="bench_results/peer.png")
-    # Worker mode (internal): one engine in this process.
-    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--requests-file", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        run_worker(args)
-        return
-
-    sys.path.insert(0, SCRIPTS)
     engines = parse_engines(args.engines, args.fastgen_option)
     builders = {"smollm2": smollm2_dir, "llama-0.5b": random_llama_dir}
     names = [m for m in args.models.split(",") if m]
