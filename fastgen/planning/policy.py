@@ -4,7 +4,8 @@ MII chose silently; fastgen chooses and says why. Every choice carries a one-lin
 quotes the figure it rests on, and every choice can be overridden by the engine keyword of the
 same name. The figures are FastGen's published defaults, rates measured on the CPU and GPU
 machines fastgen is developed on (quoted beside each constant), and measurements quoted where they
-are used.
+are used. What sizes a step (token budget, attention charge, buckets, block size) is chosen in
+`fastgen.planning.step_shape`.
 """
 
 from __future__ import annotations
@@ -23,39 +24,11 @@ from fastgen.planning.memory import (CPU_KV_RAM_FRACTION, GPU_MEMORY_FRACTION, a
 from fastgen.planning.model_facts import ModelFacts, model_facts
 from fastgen.planning.offload_plan import OFFLOAD_MAX_TOKEN_BUDGET, OffloadChoice, choose_offload
 from fastgen.planning.plan import PLAN_FIELDS, Plan, dtype_name, format_bytes, format_count, normalise_overrides
+from fastgen.planning.step_shape import (A100_BF16_TFLOPS, CPU_STEP_TARGET_S, CPU_WEIGHT_STREAM_GBPS_PER_CORE,
+                                         FASTGEN_MAX_SEQS, FASTGEN_TOKEN_BUDGET, H200_BF16_TFLOPS, choose_block_size,
+                                         choose_buckets, choose_context_charge, choose_token_budget, cpu_gflops,
+                                         cpu_rates)
 
-FASTGEN_TOKEN_BUDGET = 768  # FastGen's max_ragged_batch_size
-FASTGEN_MAX_SEQS = 512  # FastGen's max_ragged_sequence_count
-# Matmul GFLOP/s per core of an AVX-512-BF16 CPU without AVX512-FP16: 410 bf16, 185 fp32, 3 fp16 on 2 cores
-# (measured with torch matmuls on the 2-core development hosts).
-CPU_GFLOPS_PER_CORE = {"bfloat16": 205.0, "float32": 92.5, "float16": 1.5}
-# bf16 on a CPU with AMX tiles: 1798-2071 GFLOP/s on 2 cores of the development Xeon (2048^3, best of 8 medians).
-CPU_AMX_BF16_GFLOPS_PER_CORE = 900.0
-# Batch-1 decode streams weights at ~22-25 GB/s on 2 cores of this CPU class (measured: weight bytes x tok/s); like
-# the matmul rate, taken to scale with cores, so the ratio of the two (what the budget floor rests on) does not.
-CPU_WEIGHT_STREAM_GBPS_PER_CORE = 11.5
-# FastGen's SLA tiers ask >= 2, 4 or 6 tokens/s per stream: a full step must stay under 0.5 s.
-CPU_STEP_TARGET_S = 0.5
-# An offline batch on a CPU is judged by its total throughput: steps of a few hundred rows keep the
-# matmuls near their peak and pay the per-step, per-layer costs (attention calls, Python) fewer times,
-# although such a step outlasts the 0.5 s target. Measured with scripts/bench_peer.py (SmolLM2-135M, fp32,
-# 128 requests): larger steps than 512 gained nothing there; on a CPU fast enough to fit more than FastGen's
-# 768 tokens in the step target, steps up to 2048 tokens gained 11% (bf16 on AMX), 4096 nothing more.
-CPU_OFFLINE_TOKEN_BUDGET = 512
-CPU_OFFLINE_MAX_TOKEN_BUDGET = 2048
-OFFLINE_BUDGET_EVIDENCE = ("on a 2-core EPYC SmolLM2-135M (fp32, 128 requests) made 190 tok/s with 128-token steps, "
-                           "227-264 with 512, 249 with 768 and 255 with 2048")
-FAST_OFFLINE_BUDGET_EVIDENCE = ("on a 2-core AMX Xeon SmolLM2-135M (bf16, 128 requests) made 1218-1242 tok/s with "
-                                "512-token steps, 1298 with 1024, 1379-1383 with 2048 and 1384 with 4096")
-SPLITFUSE_CHARGE_EVIDENCE = (
-    "Both run at about one rate in a chunk step (AMX Xeon, bf16, a 248-token chunk of a 15M model: linears "
-    "~0.57 TFLOP/s, attention over 1860 positions ~0.54), and the charge took that model's p99 inter-token "
-    "latency from 3.71x to 4.04x and 4.21x below whole-prompt steps at a 256-token budget, at -3.8% and -2.9% "
-    "throughput against them (-1.1% without the charge; scripts/bench_splitfuse.py)")
-# Every step streams all weights once; the budget keeps that under 10% of a step's matmul time.
-CPU_STREAM_SHARE = 0.1
-A100_BF16_TFLOPS = 312.0  # the GPU FastGen's 768-token budget was tuned on (dense bf16 spec)
-H200_BF16_TFLOPS = 790.0  # measured on an H200: 8192^3 bf16 torch matmuls, random data
 # A 768-token fp32 step of 30M params takes 0.25 s on this CPU; below that, precision costs no time.
 TINY_FP32_PARAMS = 30_000_000
 
@@ -87,17 +60,17 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     dtype = pick("dtype", lambda: _choose_dtype(model, hardware))
     attention = pick("attention_backend", lambda: _choose_attention(hardware))
     graphs = pick("cuda_graphs", lambda: _choose_cuda_graphs(hardware))
-    budget = pick("token_budget", lambda: _choose_token_budget(model, hardware, dtype, offline))
+    budget = pick("token_budget", lambda: choose_token_budget(model, hardware, dtype, offline))
     floor = max(max(user.get("buckets", (0,))), user.get("max_seqs", 0))
     if "token_budget" not in user and floor > budget:
         budget = floor
         reasons["token_budget"] = f"raised to {floor} to hold the buckets/max_seqs you set"
-    context = pick("context_per_budget_token", lambda: _choose_context_charge(model, offline))
+    context = pick("context_per_budget_token", lambda: choose_context_charge(model, offline))
     max_seqs = pick("max_seqs", lambda: (min(FASTGEN_MAX_SEQS, budget),
                                          f"FastGen's {FASTGEN_MAX_SEQS} sequences per step, at most token_budget "
                                          "(each scheduled sequence gets at least one token)"))
-    buckets = pick("buckets", lambda: _choose_buckets(hardware, budget))
-    block_size = pick("block_size", lambda: _choose_block_size(model))
+    buckets = pick("buckets", lambda: choose_buckets(hardware, budget))
+    block_size = pick("block_size", lambda: choose_block_size(model))
     if buckets and buckets[-1] > budget:
         raise ValueError(f"token_budget {budget} is smaller than the largest bucket {buckets[-1]}: that bucket could never fill")
     if max_seqs > budget:
@@ -128,7 +101,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
             if "max_seqs" not in user:
                 max_seqs = min(FASTGEN_MAX_SEQS, budget)
             if "buckets" not in user:
-                buckets, reasons["buckets"] = _choose_buckets(hardware, budget)
+                buckets, reasons["buckets"] = choose_buckets(hardware, budget)
             stream = _choose_offload(model, hardware, dtype, quant, group, tp, reserve(tp), block_size, user)
     reasons["offload"] = "set by the user" if "offload" in user else stream.offload_reason
     blocker = _prepack_blocker(hardware, dtype, quant, stream.offload)
@@ -215,7 +188,7 @@ def _choose_offload(model: ModelFacts, hw: Hardware, dtype: torch.dtype, quant: 
                     reserve: int, block_size: int, user: dict[str, Any]) -> OffloadChoice:
     """`choose_offload` with this device's matmul and host-copy rates."""
     if hw.device_type == "cpu":
-        flops = _cpu_gflops(hw, dtype_name(dtype)) * 1e9
+        flops = cpu_gflops(hw, dtype_name(dtype)) * 1e9
     else:
         cc = min(g.compute_capability for g in hw.gpus)
         flops = (H200_BF16_TFLOPS if cc >= (9, 0) else A100_BF16_TFLOPS) * 1e12
@@ -238,14 +211,14 @@ def _choose_dtype(model: ModelFacts, hw: Hardware) -> tuple[torch.dtype, str]:
     saved = model.dtype or torch.float32
     saved_name = dtype_name(saved) + ("" if model.dtype else " (unsaid: fp32)")
     if hw.device_type == "cpu":
-        step = FASTGEN_TOKEN_BUDGET * 2 * model.active_params / (_cpu_gflops(hw, "float32") * 1e9)
+        step = FASTGEN_TOKEN_BUDGET * 2 * model.active_params / (cpu_gflops(hw, "float32") * 1e9)
         if saved == torch.float32 and step <= CPU_STEP_TARGET_S / 2:
             return torch.float32, (f"checkpoint is {saved_name} and tiny: a {FASTGEN_TOKEN_BUDGET}-token fp32 step is "
                                    f"~{step:.2g} s here, so keep full precision")
         if saved == torch.float16 and "amx_fp16" in hw.cpu_flags:
             return torch.float16, "checkpoint is float16 and this CPU's AMX-FP16 runs it as fast as bf16"
         if {"avx512_bf16", "amx_bf16"} & hw.cpu_flags:
-            return torch.bfloat16, (f"checkpoint is {saved_name}; matmul runs {_cpu_rates(hw)}, and bf16 halves the "
+            return torch.bfloat16, (f"checkpoint is {saved_name}; matmul runs {cpu_rates(hw)}, and bf16 halves the "
                                     "bytes each decode step streams")
         return torch.float32, (f"checkpoint is {saved_name}; no AVX512-BF16/AMX here, so bf16 matmuls would be "
                                "emulated: fp32 is the fast dtype")
@@ -367,82 +340,6 @@ def _choose_cuda_graphs(hw: Hardware) -> tuple[bool, str]:
                   "captured graph per bucket removes that cost")
 
 
-def _choose_block_size(model: ModelFacts) -> tuple[int, str]:
-    """FastGen's rule: 64-token blocks for head size 128, 128 for head size <= 64."""
-    if model.head_dim <= 64:
-        return 128, f"FastGen's rule: 128-token blocks for head_dim {model.head_dim} <= 64"
-    return 64, f"FastGen's rule: 64-token blocks for head_dim {model.head_dim} > 64"
-
-
-def _choose_token_budget(model: ModelFacts, hw: Hardware, dtype: torch.dtype, offline: bool) -> tuple[int, str]:
-    """CPU: the largest step that stays near 0.5 s when serving, at least 512 tokens for an offline batch;
-    GPU: FastGen's 768, scaled up on Hopper-class FLOP/s."""
-    if hw.device_type == "cpu":
-        rate = _cpu_gflops(hw, dtype_name(dtype))
-        flop_per_token = 2 * model.active_params
-        fits = int(CPU_STEP_TARGET_S * rate * 1e9 / flop_per_token)
-        full = FASTGEN_TOKEN_BUDGET * flop_per_token / (rate * 1e9)
-        source = "measured" if dtype_name(dtype) in hw.matmul_gflops else f"{hw.cpu_cores} cores"
-        head = (f"{FASTGEN_TOKEN_BUDGET} tokens x 2 x {format_count(model.active_params)} params / {rate:.0f} GFLOP/s "
-                f"({dtype_name(dtype)}, {source}) = {full:.2g} s per step")
-        fits_power = 1 << (max(fits, 1).bit_length() - 1)  # budgets are powers of two other than FastGen's 768
-        if fits >= FASTGEN_TOKEN_BUDGET and offline:
-            budget = max(FASTGEN_TOKEN_BUDGET, min(fits_power, CPU_OFFLINE_MAX_TOKEN_BUDGET))
-            return budget, (f"an offline batch, judged by its total throughput: {head}; a {CPU_STEP_TARGET_S} s "
-                            f"step fits {fits} tokens; {FAST_OFFLINE_BUDGET_EVIDENCE}")
-        if fits >= FASTGEN_TOKEN_BUDGET:
-            return FASTGEN_TOKEN_BUDGET, f"FastGen's default: {head}, within the {CPU_STEP_TARGET_S} s step target"
-        if offline:
-            return max(CPU_OFFLINE_TOKEN_BUDGET, fits_power), (
-                f"an offline batch, judged by its total throughput, not by step latency: {head}; "
-                f"{OFFLINE_BUDGET_EVIDENCE}")
-        # Weight streaming per step (bytes / GB/s) <= 10% of the matmul time (tokens x 2 x params / rate).
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        stream = CPU_WEIGHT_STREAM_GBPS_PER_CORE * hw.cpu_cores
-        least = rate * itemsize / (2 * stream * CPU_STREAM_SHARE)
-        floor = min(FASTGEN_TOKEN_BUDGET, 1 << (int(least) - 1).bit_length())
-        budget = max(floor, fits_power)
-        why = f"{head}; a {CPU_STEP_TARGET_S} s step (FastGen's 2 tokens/s SLA) fits {fits} tokens"
-        if budget == floor and fits < floor:
-            why += (f"; floored at {floor} so re-streaming the weights each step (~{stream:.0f} GB/s) "
-                    f"stays under {CPU_STREAM_SHARE:.0%} of its time")
-        return budget, why
-    cc = min(g.compute_capability for g in hw.gpus)
-    if cc >= (9, 0):
-        scaled = FASTGEN_TOKEN_BUDGET * H200_BF16_TFLOPS / A100_BF16_TFLOPS
-        return 2048, (f"Hopper-class: {H200_BF16_TFLOPS:.0f} TFLOP/s bf16 (H200, measured) vs the A100's "
-                      f"{A100_BF16_TFLOPS:.0f} FastGen tuned {FASTGEN_TOKEN_BUDGET} on; {scaled:.0f} tokens keep its "
-                      "step time, rounded to 2048")
-    return FASTGEN_TOKEN_BUDGET, f"FastGen's default ({FASTGEN_TOKEN_BUDGET}), tuned on A100-class GPUs"
-
-
-def _choose_context_charge(model: ModelFacts, offline: bool) -> tuple[int, str]:
-    """Serving: the attended positions whose attention FLOPs (4 x heads x head_dim a layer) equal one token's
-    linear FLOPs (2 x a layer's active parameters); an offline batch: no charge. The Scheduler counts every
-    earlier position, also for sliding-window layers, which attend at most their window: past the window a
-    chunk of such a model is charged more than it costs, so its chunks there are shorter than they need be."""
-    if offline:
-        return 0, ("an offline batch is judged by its total throughput, not by step latency: a prompt chunk "
-                   "spends its tokens only (fewer, longer steps)")
-    per_layer = (model.active_params - model.vocab_size * model.hidden_size) // model.num_layers
-    context = max(1, per_layer // (2 * model.num_heads * model.head_dim))
-    return context, (f"a layer's linears take 2 x {format_count(per_layer)} FLOPs a token, attention 4 x "
-                     f"{model.num_heads} heads x {model.head_dim} a position: {context} positions cost one token. "
-                     f"{SPLITFUSE_CHARGE_EVIDENCE}")
-
-
-def _choose_buckets(hw: Hardware, budget: int) -> tuple[tuple[int, ...], str]:
-    """CPU: none (one symbolic-shape compile serves every step); GPU: vLLM's capture sizes, then powers of two."""
-    powers = [1 << i for i in range(budget.bit_length()) if 1 << i <= budget]
-    if hw.device_type == "cpu":
-        return (), ("none on a CPU: with no CUDA graph to capture, a bucket only pays for padding; steps run at "
-                    "their exact size and the decoder layer compiles once, with symbolic token and sequence counts")
-    vllm = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
-    sizes = sorted({s for s in vllm if s <= budget} | {p for p in powers if p > 512} | {budget})
-    return tuple(sizes), (f"vLLM's capture sizes (pad <= 7 tokens to 256, <= 15 to 512), then powers of two and "
-                          f"the budget: {len(sizes)} compiles + captures at start (pass fewer buckets to start faster)")
-
-
 def _choose_tensor_parallel(model: ModelFacts, hw: Hardware, weights: int, label: str,
                             reserve: Callable[[int], int]) -> tuple[int, str]:
     """1 if the weights (+20% KV room) fit one device, else the smallest power of two that fits."""
@@ -536,31 +433,6 @@ def _check_overrides_fit_hardware(user: dict[str, Any], model: ModelFacts, hw: H
         if not divides_heads(model, tp):
             raise ValueError(f"tensor_parallel {tp} must divide the {model.num_heads} attention heads, and the "
                              f"{model.num_kv_heads} KV heads must divide by it or into it")
-
-
-def _cpu_rates(hw: Hardware) -> str:
-    """The CPU's bf16 / fp32 / fp16 matmul rates as a reason quotes them, with their source."""
-    rates = "/".join(f"{_cpu_gflops(hw, name):.3g}" for name in ("bfloat16", "float32", "float16"))
-    source = "measured here" if hw.matmul_gflops else f"{hw.cpu_cores} cores x the per-core rates of its AVX512-BF16 or AMX units"
-    return f"~{rates} GFLOP/s in bf16/fp32/fp16 ({source})"
-
-
-def _cpu_gflops(hw: Hardware, dtype_name: str) -> float:
-    """Matmul GFLOP/s of this CPU in `dtype_name`: measured if available, else per-core figures."""
-    if dtype_name in hw.matmul_gflops:
-        return hw.matmul_gflops[dtype_name]
-    per_core = dict(CPU_GFLOPS_PER_CORE)
-    if "avx512f" not in hw.cpu_flags:
-        per_core["float32"] /= 2  # AVX2 has half AVX-512's vector width
-    if "amx_bf16" in hw.cpu_flags:
-        per_core["bfloat16"] = CPU_AMX_BF16_GFLOPS_PER_CORE
-    elif "avx512_bf16" not in hw.cpu_flags:
-        per_core["bfloat16"] = per_core["float32"]  # converted to fp32 in software at best
-    if "amx_fp16" in hw.cpu_flags:
-        per_core["float16"] = per_core["bfloat16"]  # AMX tiles run fp16 at the bf16 rate
-    elif "avx512_fp16" in hw.cpu_flags:
-        per_core["float16"] = per_core["float32"]  # measured on such a host: fp16 ~ fp32, bf16 ~3-5x faster
-    return per_core[dtype_name] * hw.cpu_cores
 
 
 def plan_deployment(model_name_or_path: str, device: str | None = None, *, offline: bool = False,
