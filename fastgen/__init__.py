@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from fastgen.api import Pipeline, pipeline, serve_torchrun_rank
 from fastgen.config import EngineConfig
 from fastgen.engine import DEMO_MODEL_DIR, Engine
+from fastgen.mii_options import MIICompatibilityWarning
 from fastgen.outputs import Response
 from fastgen.planning.policy import explain, plan_deployment
 from fastgen.sampling_params import SamplingParams
@@ -46,4 +47,4 @@ def client(deployment_name_or_address: str, *, asynchronous: bool = False, api_k
                    tls_root_cert=tls_root_cert)
 
 
-__all__ = ["DEMO_MODEL_DIR", "Engine", "EngineConfig", "Pipeline", "Response", "SamplingParams", "explain", "plan_deployment", "pipeline", "client", "serve", "serve_torchrun_rank"]
+__all__ = ["DEMO_MODEL_DIR", "Engine", "EngineConfig", "MIICompatibilityWarning", "Pipeline", "Response", "SamplingParams", "explain", "plan_deployment", "pipeline", "client", "serve", "serve_torchrun_rank"]

@@ -1,7 +1,7 @@
 """`fastgen.serve(...)`: start a persistent deployment in its own process and return a client.
 
 MII's options are accepted with MII's names and defaults, as keywords or in MII's `model_config={...}`
-and `mii_config={...}` (`fastgen.api.mii_options` maps each onto ours, or refuses it saying why);
+and `mii_config={...}` (`fastgen.mii_options` maps each onto ours, or refuses it saying why);
 every EngineConfig field is accepted too. The deployment runs `python -m fastgen.serving.launcher` in a new session (it outlives this
 script, as MII's did, until `client.terminate_server()`), writes its output to
 `<registry dir>/<name>.log`, and records itself in the registry once it serves. Start-up
@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from fastgen.api import mii_options
+from fastgen.mii_options import mii_options
 from fastgen.config import EngineConfig
 from fastgen.serving import registry
 from fastgen.serving.cli import DEFAULT_PORT, DEFAULT_REST_PORT, default_deployment_name, engine_argv, limits_argv
@@ -114,7 +114,7 @@ def serve(model_name_or_path: str | None = None, model_config: dict[str, Any] | 
     the policy's choice, see `fastgen.plan_deployment`), `max_length`, `port_number` (50050),
     `enable_restful_api`, `restful_api_host`, `restful_api_port` (51080), `device_map` (MII's forms,
     where they match fastgen's placement), the rest of MII's ModelConfig/MIIConfig fields (as keywords
-    or in `model_config`/`mii_config`; see `fastgen.api.mii_options`); fastgen's
+    or in `model_config`/`mii_config`; see `fastgen.mii_options`); fastgen's
     `host` (listen address, default 127.0.0.1: this machine only; "0.0.0.0" exposes it), `api_key`
     (a key or a list of keys every gRPC method and REST route but health requires; default
     `FASTGEN_API_KEY`; none = open), `tls_cert`/`tls_key` (PEM files: TLS for gRPC and REST; the

@@ -24,12 +24,13 @@ ALLOWED = [
     ("fastgen.sampling_params", []),
     ("fastgen.outputs", []),
     ("fastgen.config", ["fastgen.planning.", "fastgen.models."]),
+    ("fastgen.mii_options", ["fastgen.config"]),
     # The public API may use every part but serving, which it imports only inside serve()/client().
     ("fastgen.api", ["fastgen.engine.", "fastgen.executor.", "fastgen.planning.", "fastgen.models.",
-                     "fastgen.ops.", *DATA_TYPES]),
-    ("fastgen.__init__", ["fastgen.api", "fastgen.engine", "fastgen.planning.", *DATA_TYPES]),
+                     "fastgen.ops.", "fastgen.mii_options", *DATA_TYPES]),
+    ("fastgen.__init__", ["fastgen.api", "fastgen.engine", "fastgen.planning.", "fastgen.mii_options", *DATA_TYPES]),
     # Serving sees the public API only: the top-level modules and the engine package's exports.
-    ("fastgen.serving", ["fastgen.serving.", "fastgen", "fastgen.api", "fastgen.engine",
+    ("fastgen.serving", ["fastgen.serving.", "fastgen", "fastgen.api", "fastgen.mii_options", "fastgen.engine",
                          *DATA_TYPES]),
 ]
 LAZY_OK = {"fastgen.__init__": ["fastgen.serving."], "fastgen.api": ["fastgen.executor."]}

@@ -245,7 +245,7 @@ def test_mii_client_against_fastgen_serve_with_mii_configs(mii, event_loop_for_m
         info = client.model_info()
         assert (info["deployment_name"], info["max_length"], info["num_kv_blocks"]) == ("mii-configured", 256, 64)
         assert (info["token_budget"], info["max_seqs"]) == (32, 8)
-        assert not [w for w in recwarn if issubclass(w.category, fastgen.api.MIICompatibilityWarning)]
+        assert not [w for w in recwarn if issubclass(w.category, fastgen.MIICompatibilityWarning)]
         want = client.generate(["Hello", "DeepSpeed is"], **GREEDY)
         mii_client = mii.client.MIIClient(_mii_config(mii, port, rest_port))
         assert [r.generated_text for r in mii_client.generate(["Hello", "DeepSpeed is"], **GREEDY)] == \

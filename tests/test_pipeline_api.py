@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import fastgen
-from fastgen.api import MIICompatibilityWarning, mii_options
+from fastgen.mii_options import MIICompatibilityWarning, mii_options
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.deployment import SERVE_OPTIONS
 
