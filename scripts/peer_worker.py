@@ -11,6 +11,7 @@ from __future__ import annotations
 
 # Only the standard library at module level: vLLM's interpreter (its own venv, without fastgen) runs
 # this file, and vLLM's spawned engine process imports it again.
+import contextlib
 import json
 import os
 import sys
@@ -131,13 +132,12 @@ def run_worker(engine: str, model: str, job_path: str, out: str) -> None:
     profiler = None
     if job.get("profile") and engine == "fastgen":
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        profiler.__enter__()
-    start = time.perf_counter()
-    outputs = generate()
-    seconds = time.perf_counter() - start
-    others = (busy_cpu_seconds() - busy) - (session_cpu_seconds(os.getsid(0)) - own)
+    with profiler or contextlib.nullcontext():
+        start = time.perf_counter()
+        outputs = generate()
+        seconds = time.perf_counter() - start
+        others = (busy_cpu_seconds() - busy) - (session_cpu_seconds(os.getsid(0)) - own)
     if profiler is not None:
-        profiler.__exit__(None, None, None)
         notes["profile"] = kernel_seconds(profiler)
 
     result = {"t_started": t_started, "t_ready": t_ready, "generate_seconds": seconds,
