@@ -15,7 +15,8 @@ from transformers import (  # noqa: E402
     TopPLogitsWarper,
 )
 
-from fastgen.engine.sampler import Sampler, SamplingMetadata, make_generator  # noqa: E402
+from fastgen.engine.sampler import Sampler  # noqa: E402
+from fastgen.engine.sampling_metadata import SamplingMetadata, make_generator  # noqa: E402
 from fastgen.sampling_params import SamplingParams  # noqa: E402
 
 

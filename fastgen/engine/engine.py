@@ -35,7 +35,8 @@ from fastgen.models.registry import check_tensor_parallel_support
 from fastgen.outputs import Response
 from fastgen.planning.plan import Plan
 from fastgen.planning.policy import make_plan
-from fastgen.engine.sampler import Sampler, SamplingMetadata, make_generator
+from fastgen.engine.sampler import Sampler
+from fastgen.engine.sampling_metadata import SamplingMetadata, make_generator
 from fastgen.sampling_params import FieldValueError, SamplingParams
 from fastgen.engine.scheduler import Scheduler
 from fastgen.engine.sequence import Sequence, SequenceStatus
