@@ -101,7 +101,7 @@ def write_json(path: str, payload: dict) -> None:
 
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv", "aten::bmm", "aten::baddbmm", "aten::linear",
-               "mkldnn::")
+              "mkldnn::")
 
 
 def profile_shares(prof) -> dict[str, float]:
