@@ -3,9 +3,9 @@
 One step's rows can each carry different `SamplingParams`. The host turns them into a few small
 tensors once per step (`SamplingMetadata.build`); `Sampler` then runs only tensor ops on the device,
 in Hugging Face `generate`'s order after OpenAI's logit bias and the token masks (allowed ids, banned
-ids): repetition penalty, presence/frequency penalties, temperature, top-k, top-p, min-p, sample. Sampling is an exponential race (`argmax(probs / Exponential(1))`), which
-draws exactly from `probs` without `torch.multinomial`'s sync. Greedy rows take the argmax of the
-penalised logits.
+ids): repetition penalty, presence/frequency penalties, temperature, top-k, top-p, min-p, sample.
+Sampling is an exponential race (`argmax(probs / Exponential(1))`), which draws exactly from `probs`
+without `torch.multinomial`'s sync. Greedy rows take the argmax of the penalised logits.
 """
 
 from __future__ import annotations

@@ -66,7 +66,8 @@ def cpu_gflops(hw: Hardware, dtype_name: str) -> float:
 def cpu_rates(hw: Hardware) -> str:
     """The CPU's bf16 / fp32 / fp16 matmul rates as a reason quotes them, with their source."""
     rates = "/".join(f"{cpu_gflops(hw, name):.3g}" for name in ("bfloat16", "float32", "float16"))
-    source = "measured here" if hw.matmul_gflops else f"{hw.cpu_cores} cores x the per-core rates of its AVX512-BF16 or AMX units"
+    source = ("measured here" if hw.matmul_gflops
+              else f"{hw.cpu_cores} cores x the per-core rates of its AVX512-BF16 or AMX units")
     return f"~{rates} GFLOP/s in bf16/fp32/fp16 ({source})"
 
 
