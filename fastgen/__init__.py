@@ -28,9 +28,9 @@ def serve(model_name_or_path: str | None = None, **config: Any) -> "Client":
     MII's options (`deployment_name`, `replica_num`, `port_number`, `enable_restful_api`, ...), MII's
     `model_config={...}` / `mii_config={...}` dicts (mapped onto fastgen's options; see the README's
     MII section), the security options (`api_key`, `tls_cert`, `tls_key`, `max_pending_requests`)
-    and every `EngineConfig` field are accepted; see `fastgen.serving.deployment.serve`.
+    and every `EngineConfig` field are accepted; see `fastgen.serving.deploy.deployment.serve`.
     """
-    from fastgen.serving.deployment import serve as _serve
+    from fastgen.serving.deploy.deployment import serve as _serve
 
     return _serve(model_name_or_path, **config)
 

@@ -9,7 +9,7 @@ Stop it with Ctrl-C, SIGTERM, a Terminate call or REST's /terminate. `--help` li
 
 import sys
 
-from fastgen.serving.launcher import main
+from fastgen.serving.deploy.launcher import main
 
 if __name__ == "__main__":
     sys.exit(main())

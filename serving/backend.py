@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import fastgen
 from fastgen.engine import EngineLoop, Member, RequestGroup, Sink, full_text_prefix
 from fastgen.sampling_params import SamplingParams
-from fastgen.serving.convert import Prompt
-from fastgen.serving.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.grpc.convert import Prompt
+from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 
 
 class BackendUnavailable(RuntimeError):

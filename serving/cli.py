@@ -15,7 +15,7 @@ from typing import Any
 
 from fastgen.config import EngineConfig
 from fastgen.engine import DEMO_MODEL_DIR
-from fastgen.serving import registry
+from fastgen.serving.deploy import registry
 from fastgen.serving.limits import (API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST,
                                     ServingLimits, api_keys_from_env)
 

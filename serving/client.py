@@ -27,14 +27,14 @@ from fastgen.api import normalise_prompts, split_mii_stream
 from fastgen.engine import merge_deltas
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
-from fastgen.serving import registry
+from fastgen.serving.deploy import registry
 from fastgen.serving.cli import default_deployment_name
-from fastgen.serving.convert import params_to_proto, prompts_to_proto, response_from_completion
-from fastgen.serving.grpc_guard import auth_metadata, client_api_key, open_channel, read_pem
-from fastgen.serving.grpc_server import CHANNEL_OPTIONS, rejection
-from fastgen.serving.processes import connect_host, pid_alive, wait_until
-from fastgen.serving.proto import fastgen_v1_pb2 as pb
-from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
+from fastgen.serving.grpc.convert import params_to_proto, prompts_to_proto, response_from_completion
+from fastgen.serving.grpc.guard import auth_metadata, client_api_key, open_channel, read_pem
+from fastgen.serving.grpc.server import CHANNEL_OPTIONS, rejection
+from fastgen.serving.deploy.processes import connect_host, pid_alive, wait_until
+from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^:\s]+):(\d{1,5})$")
 

@@ -16,7 +16,7 @@ import uvicorn
 from fastgen import EngineConfig
 from fastgen.engine import Engine, EngineLoop
 from fastgen.serving.metrics import ServingMetrics
-from fastgen.serving.rest import create_app
+from fastgen.serving.http.app import create_app
 
 
 @dataclass

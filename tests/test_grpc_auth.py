@@ -17,12 +17,12 @@ from fastgen.engine import Engine
 from fastgen.engine import EngineLoop
 from fastgen.serving.backend import LocalBackend
 from fastgen.serving.client import AsyncClient, Client, client
-from fastgen.serving.grpc_server import MII_SERVICE, TYPED_SERVICE, GrpcServer
+from fastgen.serving.grpc.server import MII_SERVICE, TYPED_SERVICE, GrpcServer
 from fastgen.serving.limits import API_KEY_ENV, ServingLimits
-from fastgen.serving.proto import fastgen_v1_pb2 as pb
-from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
-from fastgen.serving.proto import modelresponse_pb2 as mii_pb
-from fastgen.serving.proto import modelresponse_pb2_grpc as mii_grpc
+from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
+from fastgen.serving.grpc.proto import modelresponse_pb2 as mii_pb
+from fastgen.serving.grpc.proto import modelresponse_pb2_grpc as mii_grpc
 
 CONFIG = dict(num_kv_blocks=64, block_size=8, token_budget=32, max_seqs=8, progress=False)
 KEYS = ("first-key", "second-key")

@@ -16,13 +16,13 @@ from fastgen.executor.distributed import TensorParallelError
 from fastgen.engine import Engine
 from fastgen.engine import EngineLoop
 from fastgen.serving.backend import LocalBackend
-from fastgen.serving.grpc_guard import RETRY_AFTER_KEY
-from fastgen.serving.grpc_server import ERROR_TYPE_KEY, GrpcServer
+from fastgen.serving.grpc.guard import RETRY_AFTER_KEY
+from fastgen.serving.grpc.server import ERROR_TYPE_KEY, GrpcServer
 from fastgen.serving.limits import ServingLimits
-from fastgen.serving.proto import fastgen_v1_pb2 as pb
-from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
-from fastgen.serving.proto import modelresponse_pb2 as mii_pb
-from fastgen.serving.proto import modelresponse_pb2_grpc as mii_grpc
+from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
+from fastgen.serving.grpc.proto import modelresponse_pb2 as mii_pb
+from fastgen.serving.grpc.proto import modelresponse_pb2_grpc as mii_grpc
 
 NUM_BLOCKS = 64
 # max_length keeps every generation short, whatever max_new_tokens a random request asks for.

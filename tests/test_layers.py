@@ -12,6 +12,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = {"fastgen": "fastgen", "models": "fastgen.models", "ops": "fastgen.ops", "serving": "fastgen.serving"}
 DATA_TYPES = ("fastgen.config", "fastgen.sampling_params", "fastgen.outputs")
+PUBLIC = ("fastgen", "fastgen.api", "fastgen.mii_options", "fastgen.engine", *DATA_TYPES)
+"""What serving may import from fastgen: the top-level modules and the engine package's exports."""
 
 # Module prefix -> what its imports may name (a name ending in "." also allows its submodules).
 ALLOWED = [
@@ -29,9 +31,15 @@ ALLOWED = [
     ("fastgen.api", ["fastgen.engine.", "fastgen.executor.", "fastgen.planning.", "fastgen.models.",
                      "fastgen.ops.", "fastgen.mii_options", *DATA_TYPES]),
     ("fastgen.__init__", ["fastgen.api", "fastgen.engine", "fastgen.planning.", "fastgen.mii_options", *DATA_TYPES]),
-    # Serving sees the public API only: the top-level modules and the engine package's exports.
-    ("fastgen.serving", ["fastgen.serving.", "fastgen", "fastgen.api", "fastgen.mii_options", "fastgen.engine",
-                         *DATA_TYPES]),
+    # Serving sees the public API only: the top-level modules and the engine package's exports. Inside it,
+    # the protocols (grpc/, http/) share only the common modules; deployments (deploy/) and the client
+    # put the pieces together.
+    ("fastgen.serving", ["fastgen.serving.", *PUBLIC]),
+    ("fastgen.serving.limits", [*PUBLIC]),
+    ("fastgen.serving.metrics", [*PUBLIC]),
+    ("fastgen.serving.grpc", ["fastgen.serving.limits", "fastgen.serving.backend", *PUBLIC]),
+    ("fastgen.serving.http", ["fastgen.serving.limits", "fastgen.serving.metrics", "fastgen.serving.backend",
+                              *PUBLIC]),
 ]
 LAZY_OK = {"fastgen.__init__": ["fastgen.serving."], "fastgen.api": ["fastgen.executor."]}
 """Imports allowed inside functions only (they run when called, not when the module loads)."""
@@ -105,12 +113,14 @@ def test_the_check_sees_every_layer_and_catches_an_upward_import(tmp_path):
     assert {_rules(m)[0] for m, _ in MODULES} >= {"fastgen.ops", "fastgen.models", "fastgen.planning",
                                                   "fastgen.executor", "fastgen.engine", "fastgen.serving"}
     upward = tmp_path / "bad.py"
-    upward.write_text("from fastgen.engine.engine import Engine\n\ndef f():\n    import fastgen.serving.rest\n")
+    upward.write_text("from fastgen.engine.engine import Engine\n\ndef f():\n    import fastgen.serving.http.app\n")
     found = _imports(str(upward))
-    assert found == [(1, "fastgen.engine.engine", False), (4, "fastgen.serving.rest", True)]
+    assert found == [(1, "fastgen.engine.engine", False), (4, "fastgen.serving.http.app", True)]
     assert not _allowed("fastgen.engine.engine", _rules("fastgen.executor.runner")[1])
-    assert not _allowed("fastgen.engine.loop", _rules("fastgen.serving.rest")[1])
-    assert _allowed("fastgen.engine", _rules("fastgen.serving.rest")[1])
+    assert not _allowed("fastgen.engine.loop", _rules("fastgen.serving.http.app")[1])
+    assert _allowed("fastgen.engine", _rules("fastgen.serving.http.app")[1])
+    assert not _allowed("fastgen.serving.grpc.server", _rules("fastgen.serving.http.app")[1])
+    assert not _allowed("fastgen.serving.deploy.launcher", _rules("fastgen.serving.grpc.server")[1])
 
 
 def test_top_level_stays_small():

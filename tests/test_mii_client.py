@@ -35,7 +35,7 @@ import grpc
 import pytest
 
 import fastgen
-from fastgen.serving import registry
+from fastgen.serving.deploy import registry
 from fastgen.serving.limits import API_KEY_ENV
 
 MII_VERSION = "0.3.3"

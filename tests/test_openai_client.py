@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rest_server import serve
 
 import fastgen
-from fastgen.serving.rest import create_app
+from fastgen.serving.http.app import create_app
 
 MODEL = "tiny-llama"
 ENGINE = dict(num_kv_blocks=64, block_size=8, token_budget=32, max_seqs=8, progress=False)

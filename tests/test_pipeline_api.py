@@ -17,7 +17,7 @@ import transformers
 import fastgen
 from fastgen.mii_options import MIICompatibilityWarning, mii_options
 from fastgen.sampling_params import SamplingParams
-from fastgen.serving.deployment import SERVE_OPTIONS
+from fastgen.serving.deploy.deployment import SERVE_OPTIONS
 
 SMALL = dict(num_kv_blocks=64, block_size=8, token_budget=32, max_seqs=8, progress=False)
 PROMPTS = ["The quick brown fox", "def f(x):", "Hello world, this is a longer prompt with more tokens"]

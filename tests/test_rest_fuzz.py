@@ -21,7 +21,7 @@ from fastgen import EngineConfig
 from fastgen.engine import Engine
 from fastgen.engine import EngineLoop
 from fastgen.serving.limits import ServingLimits
-from fastgen.serving.rest import create_app
+from fastgen.serving.http.app import create_app
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

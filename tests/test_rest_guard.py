@@ -14,9 +14,9 @@ from fastgen import EngineConfig
 from fastgen.engine import Engine
 from fastgen.engine import END, EngineLoop, RequestFailed
 from fastgen.outputs import Response
-from fastgen.serving.http_guard import HttpGuard
+from fastgen.serving.http.guard import HttpGuard
 from fastgen.serving.limits import ServingLimits
-from fastgen.serving.rest import create_app
+from fastgen.serving.http.app import create_app
 
 KEYS = ("key-one", "key-two")
 MODEL = "tiny"

@@ -17,13 +17,13 @@ from fastgen.engine import Engine
 from fastgen.engine import EngineLoop
 from fastgen.serving.backend import LocalBackend
 from fastgen.serving.client import AsyncClient, Client
-from fastgen.serving.convert import params_from_proto, params_to_proto, value_from_mii
-from fastgen.serving.grpc_server import ERROR_TYPE_KEY, MII_SERVICE, REQUEST_IDS_KEY, TYPED_SERVICE, GrpcServer
-from fastgen.serving.proto import fastgen_v1_pb2 as pb
-from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
-from fastgen.serving.proto import modelresponse_pb2 as mii_pb
-from fastgen.serving.proto import modelresponse_pb2_grpc as mii_grpc
-from fastgen.serving.replicas import Replica, ReplicaRouter
+from fastgen.serving.grpc.convert import params_from_proto, params_to_proto, value_from_mii
+from fastgen.serving.grpc.server import ERROR_TYPE_KEY, MII_SERVICE, REQUEST_IDS_KEY, TYPED_SERVICE, GrpcServer
+from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
+from fastgen.serving.grpc.proto import modelresponse_pb2 as mii_pb
+from fastgen.serving.grpc.proto import modelresponse_pb2_grpc as mii_grpc
+from fastgen.serving.deploy.replicas import Replica, ReplicaRouter
 
 NUM_BLOCKS = 64
 CONFIG = dict(num_kv_blocks=NUM_BLOCKS, block_size=8, token_budget=32, max_seqs=8, progress=False)

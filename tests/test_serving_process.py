@@ -22,13 +22,13 @@ import pytest
 from test_grpc_auth import _self_signed
 
 import fastgen
-from fastgen.serving import launcher, registry
+from fastgen.serving.deploy import launcher, registry
 from fastgen.serving.client import client as connect
-from fastgen.serving.deployment import SERVE_OPTIONS, DeploymentError
+from fastgen.serving.deploy.deployment import SERVE_OPTIONS, DeploymentError
 from fastgen.serving.limits import API_KEY_ENV
-from fastgen.serving.processes import pid_alive
-from fastgen.serving.proto import fastgen_v1_pb2 as pb
-from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
+from fastgen.serving.deploy.processes import pid_alive
+from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
 
 ENGINE = dict(num_kv_blocks=64, block_size=8, token_budget=32, max_seqs=8, progress=False)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -208,7 +208,7 @@ def test_replica_exits_when_its_front_end_dies(tiny_checkpoints, tmp_path):
             "--num-kv-blocks", "64", "--block-size", "8", "--token-budget", "32", "--max-seqs", "8"]
     front = subprocess.Popen(  # stands in for a front end: starts one replica, then waits to be killed
         [sys.executable, "-c", "import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-m', "
-         "'fastgen.serving.launcher', *sys.argv[1:], '--replica-of', str(os.getpid())]); time.sleep(120)",
+         "'fastgen.serving.deploy.launcher', *sys.argv[1:], '--replica-of', str(os.getpid())]); time.sleep(120)",
          *argv, "--ready-file", ready], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         _eventually(lambda: os.path.exists(ready), timeout=120)

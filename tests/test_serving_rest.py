@@ -18,7 +18,7 @@ from fastgen import EngineConfig
 from fastgen.engine import Engine
 from fastgen.engine import EngineLoop
 from fastgen.serving.metrics import ServingMetrics
-from fastgen.serving.rest import create_app
+from fastgen.serving.http.app import create_app
 
 NUM_BLOCKS = 64
 ENGINE = dict(num_kv_blocks=NUM_BLOCKS, block_size=8, token_budget=32, max_seqs=8, progress=False)

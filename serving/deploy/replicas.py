@@ -32,13 +32,13 @@ from fastgen.engine import END, Sink
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.backend import BackendUnavailable
-from fastgen.serving.convert import params_to_proto, prompts_to_proto, response_from_completion
-from fastgen.serving.grpc_guard import auth_metadata
-from fastgen.serving.grpc_server import CHANNEL_OPTIONS, MII_SERVICE, REQUEST_IDS_KEY, TYPED_SERVICE, rejection
+from fastgen.serving.grpc.convert import params_to_proto, prompts_to_proto, response_from_completion
+from fastgen.serving.grpc.guard import auth_metadata
+from fastgen.serving.grpc.server import CHANNEL_OPTIONS, MII_SERVICE, REQUEST_IDS_KEY, TYPED_SERVICE, rejection
 from fastgen.serving.limits import API_KEY_ENV
-from fastgen.serving.processes import read_json, stop_process
-from fastgen.serving.proto import fastgen_v1_pb2 as pb
-from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
+from fastgen.serving.deploy.processes import read_json, stop_process
+from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("fastgen.serving")
 
@@ -308,7 +308,7 @@ def start_replicas(count: int, launcher_args: list[str], deployment_name: str, *
                    timeout: float, should_stop: Callable[[], bool], api_keys: tuple[str, ...] = ()) -> list[Replica]:
     """Start `count` replica servers on free loopback ports and wait until each is serving.
 
-    Each runs `python -m fastgen.serving.launcher` with `launcher_args` (the engine options and
+    Each runs `python -m fastgen.serving.deploy.launcher` with `launcher_args` (the engine options and
     bounds), its own device from `devices` when set, requires `api_keys` (none: open), and exits
     if this process dies. If one fails to start, all are stopped and RuntimeError says which and
     why (its output is in our log).
@@ -326,7 +326,7 @@ def start_replicas(count: int, launcher_args: list[str], deployment_name: str, *
     try:
         for index in range(count):
             ready = os.path.join(ready_dir, f"replica-{index}.json")
-            argv = [sys.executable, "-m", "fastgen.serving.launcher", *launcher_args,
+            argv = [sys.executable, "-m", "fastgen.serving.deploy.launcher", *launcher_args,
                     "--host", "127.0.0.1", "--port", "0", "--deployment-name", f"{deployment_name}-replica-{index}",
                     "--replica-of", str(os.getpid()), "--ready-file", ready]
             if devices[index] is not None:

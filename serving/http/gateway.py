@@ -21,10 +21,10 @@ from fastapi import Request
 from fastgen.engine import Member, RequestFailed, RequestGroup, Sink, full_text_prefix, max_prompt_chars, merge_deltas
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
-from fastgen.serving.http_guard import ApiError, Offload
+from fastgen.serving.http.guard import ApiError, Offload
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.metrics import ServingMetrics
-from fastgen.serving.openai_chat import ChatPrompt, render_chat
+from fastgen.serving.http.chat import ChatPrompt, render_chat
 
 logger = logging.getLogger("fastgen")
 

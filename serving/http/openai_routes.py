@@ -23,13 +23,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from fastgen.outputs import Response
-from fastgen.serving.gateway import generation_error
-from fastgen.serving.http_guard import read_json_object
-from fastgen.serving.openai_logprobs import chat_logprobs, completion_logprobs, echo_entries, vllm_prompt_logprobs
-from fastgen.serving.openai_params import Parsed, ignored_notice, model_not_found, parse_chat, parse_completion
+from fastgen.serving.http.gateway import generation_error
+from fastgen.serving.http.guard import read_json_object
+from fastgen.serving.http.logprobs import chat_logprobs, completion_logprobs, echo_entries, vllm_prompt_logprobs
+from fastgen.serving.http.openai_params import Parsed, ignored_notice, model_not_found, parse_chat, parse_completion
 
 if TYPE_CHECKING:
-    from fastgen.serving.gateway import Gateway, Generation
+    from fastgen.serving.http.gateway import Gateway, Generation
 
 __all__ = ["add_openai_routes"]
 

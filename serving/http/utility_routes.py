@@ -17,12 +17,12 @@ from fastapi.responses import JSONResponse
 from fastapi.responses import Response as HTTPResponse
 
 from fastgen import __version__
-from fastgen.serving.http_guard import ApiError, read_json_object
-from fastgen.serving.openai_chat import ChatPrompt, chat_prompt, render_chat
-from fastgen.serving.openai_params import describe, ignored_notice, model_not_found
+from fastgen.serving.http.guard import ApiError, read_json_object
+from fastgen.serving.http.chat import ChatPrompt, chat_prompt, render_chat
+from fastgen.serving.http.openai_params import describe, ignored_notice, model_not_found
 
 if TYPE_CHECKING:
-    from fastgen.serving.gateway import Gateway
+    from fastgen.serving.http.gateway import Gateway
 
 __all__ = ["add_utility_routes"]
 

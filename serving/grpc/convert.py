@@ -13,8 +13,8 @@ from typing import Any
 from fastgen.api import normalise_prompts
 from fastgen.outputs import Response
 from fastgen.sampling_params import FieldValueError, SamplingParams
-from fastgen.serving.proto import fastgen_v1_pb2 as pb
-from fastgen.serving.proto import modelresponse_pb2 as mii_pb
+from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.grpc.proto import modelresponse_pb2 as mii_pb
 
 Prompt = str | list[int]
 

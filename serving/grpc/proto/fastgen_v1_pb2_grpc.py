@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from fastgen.serving.proto import fastgen_v1_pb2 as fastgen__v1__pb2
+from fastgen.serving.grpc.proto import fastgen_v1_pb2 as fastgen__v1__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

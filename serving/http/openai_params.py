@@ -23,8 +23,8 @@ from typing import Any
 
 from fastgen.api import normalise_prompts
 from fastgen.sampling_params import MAX_LOGPROBS, FieldError, SamplingParams
-from fastgen.serving.http_guard import ApiError
-from fastgen.serving.openai_chat import ChatPrompt, chat_prompt
+from fastgen.serving.http.guard import ApiError
+from fastgen.serving.http.chat import ChatPrompt, chat_prompt
 
 # Body fields passed to SamplingParams under the same name.
 _SAMPLING_FIELDS = ("n", "stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",

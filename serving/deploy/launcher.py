@@ -1,4 +1,4 @@
-"""The deployment process: `python scripts/serve.py ...` or `python -m fastgen.serving.launcher ...`.
+"""The deployment process: `python scripts/serve.py ...` or `python -m fastgen.serving.deploy.launcher ...`.
 
 Order of start-up, so that every failure is early and clear: parse and validate the options,
 bind the gRPC port (a taken port fails before any model is loaded; health says NOT_SERVING while
@@ -30,15 +30,15 @@ from fastgen.config import EngineConfig
 from fastgen.api import torchrun_env
 from fastgen.engine import DEMO_MODEL_DIR, Engine
 from fastgen.engine import EngineLoop
-from fastgen.serving import registry
+from fastgen.serving.deploy import registry
 from fastgen.serving.backend import Backend, LocalBackend
 from fastgen.serving.cli import (DEFAULT_PORT, DEFAULT_REST_PORT, build_parser, default_deployment_name, engine_argv,
                                  engine_fields, limits_argv, validate)
-from fastgen.serving.grpc_server import GrpcServer
+from fastgen.serving.grpc.server import GrpcServer
 from fastgen.serving.limits import ServingLimits
-from fastgen.serving.processes import check_port_free, connect_host, write_json_atomic
-from fastgen.serving.proto import fastgen_v1_pb2 as pb
-from fastgen.serving.replicas import ReplicaRouter, start_replicas
+from fastgen.serving.deploy.processes import check_port_free, connect_host, write_json_atomic
+from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.deploy.replicas import ReplicaRouter, start_replicas
 
 REST_GRACE_AFTER_TERMINATE_S = 1.0
 """Seconds the REST gateway stays up after a gRPC Terminate (MII's client calls REST's /terminate next)."""
@@ -53,13 +53,13 @@ class _Interrupted(Exception):
 
 
 def _rest_module() -> Any:
-    """`fastgen.serving.rest`, or SystemExit saying why the REST gateway is not available."""
+    """`fastgen.serving.http.app`, or SystemExit saying why the REST gateway is not available."""
     try:
-        return importlib.import_module("fastgen.serving.rest")
+        return importlib.import_module("fastgen.serving.http.app")
     except ModuleNotFoundError as exc:
-        if exc.name in ("fastgen.serving.rest", "fastgen.serving"):
+        if exc.name in ("fastgen.serving.http.app", "fastgen.serving.http", "fastgen.serving"):
             raise SystemExit("--enable-restful-api: this fastgen has no REST gateway "
-                             "(fastgen.serving.rest is missing)") from None
+                             "(fastgen.serving.http.app is missing)") from None
         raise SystemExit(f"--enable-restful-api needs {exc.name!r}: pip install 'fastgen[serving]'") from None
 
 

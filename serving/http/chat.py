@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastgen.serving.http_guard import ApiError
+from fastgen.serving.http.guard import ApiError
 
 # Arguments of `apply_chat_template` that this module sets itself (or that would change what it
 # returns): a request's chat_template_kwargs may not override them.

@@ -1,8 +1,8 @@
-"""Regenerate the committed gRPC stubs: `python serving/proto/generate.py`.
+"""Regenerate the committed gRPC stubs: `python serving/grpc/proto/generate.py`.
 
 Needs grpcio-tools (the version pinned in pyproject's `serving` extra: generated stubs refuse
 older grpcio/protobuf runtimes). protoc writes `import x_pb2` in the `_grpc` modules; they are
-rewritten to import through the package so the stubs load as `fastgen.serving.proto.*`.
+rewritten to import through the package so the stubs load as `fastgen.serving.grpc.proto.*`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from grpc_tools import protoc
 
 PROTO_DIR = os.path.dirname(os.path.abspath(__file__))
 PROTOS = ("fastgen_v1.proto", "modelresponse.proto")
-PACKAGE = "fastgen.serving.proto"
+PACKAGE = "fastgen.serving.grpc.proto"
 
 
 def main() -> int:

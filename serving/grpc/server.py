@@ -34,14 +34,14 @@ from fastgen.engine import RequestGroup, TensorParallelError
 from fastgen.outputs import Response
 from fastgen.sampling_params import FieldTypeError, FieldValueError, SamplingParams
 from fastgen.serving.backend import Backend, BackendUnavailable, submit_group
-from fastgen.serving.convert import completion_from_response, kwargs_from_mii, params_from_proto, prompts_from_proto
-from fastgen.serving.grpc_guard import RETRY_AFTER_KEY, ApiKeyInterceptor, Overloaded, PendingBudget, \
+from fastgen.serving.grpc.convert import completion_from_response, kwargs_from_mii, params_from_proto, prompts_from_proto
+from fastgen.serving.grpc.guard import RETRY_AFTER_KEY, ApiKeyInterceptor, Overloaded, PendingBudget, \
     server_credentials
 from fastgen.serving.limits import ServingLimits
-from fastgen.serving.proto import fastgen_v1_pb2 as pb
-from fastgen.serving.proto import fastgen_v1_pb2_grpc as pb_grpc
-from fastgen.serving.proto import modelresponse_pb2 as mii_pb
-from fastgen.serving.proto import modelresponse_pb2_grpc as mii_grpc
+from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
+from fastgen.serving.grpc.proto import modelresponse_pb2 as mii_pb
+from fastgen.serving.grpc.proto import modelresponse_pb2_grpc as mii_grpc
 
 logger = logging.getLogger("fastgen.serving")
 

@@ -26,14 +26,14 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastgen.sampling_params import SamplingParams
-from fastgen.serving.gateway import Gateway
-from fastgen.serving.http_guard import ApiError, HttpGuard, Offload, public_routes, read_json_object
+from fastgen.serving.http.gateway import Gateway
+from fastgen.serving.http.guard import ApiError, HttpGuard, Offload, public_routes, read_json_object
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.metrics import ServingMetrics
-from fastgen.serving.openai_api import add_openai_routes
-from fastgen.serving.openai_params import prompts_param, sampling_params
-from fastgen.serving.openapi_schema import install_openapi
-from fastgen.serving.utility_routes import add_utility_routes
+from fastgen.serving.http.openai_routes import add_openai_routes
+from fastgen.serving.http.openai_params import prompts_param, sampling_params
+from fastgen.serving.http.openapi_schema import install_openapi
+from fastgen.serving.http.utility_routes import add_utility_routes
 
 logger = logging.getLogger("fastgen")
 

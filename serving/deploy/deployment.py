@@ -2,7 +2,7 @@
 
 MII's options are accepted with MII's names and defaults, as keywords or in MII's `model_config={...}`
 and `mii_config={...}` (`fastgen.mii_options` maps each onto ours, or refuses it saying why);
-every EngineConfig field is accepted too. The deployment runs `python -m fastgen.serving.launcher` in a new session (it outlives this
+every EngineConfig field is accepted too. The deployment runs `python -m fastgen.serving.deploy.launcher` in a new session (it outlives this
 script, as MII's did, until `client.terminate_server()`), writes its output to
 `<registry dir>/<name>.log`, and records itself in the registry once it serves. Start-up
 failures are raised here with the cause: a taken port before anything starts, a model that fails
@@ -24,13 +24,13 @@ from typing import Any
 
 from fastgen.mii_options import mii_options
 from fastgen.config import EngineConfig
-from fastgen.serving import registry
+from fastgen.serving.deploy import registry
 from fastgen.serving.cli import DEFAULT_PORT, DEFAULT_REST_PORT, default_deployment_name, engine_argv, limits_argv
 from fastgen.serving.client import Client
-from fastgen.serving.grpc_guard import server_credentials
+from fastgen.serving.grpc.guard import server_credentials
 from fastgen.serving.limits import (API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST,
                                     ServingLimits, api_keys_from_env)
-from fastgen.serving.processes import check_port_free, connect_host, reap_in_background, stop_process
+from fastgen.serving.deploy.processes import check_port_free, connect_host, reap_in_background, stop_process
 
 SERVE_OPTIONS = {
     # MII's names (max_length is an EngineConfig field, handled with the engine options).
@@ -88,7 +88,7 @@ def _limits(options: dict[str, Any]) -> ServingLimits:
 
 def _launcher_argv(model: str | None, name: str, options: dict[str, Any], engine: dict[str, Any],
                    limits: ServingLimits) -> list[str]:
-    argv = [sys.executable, "-m", "fastgen.serving.launcher", "--host", options["host"],
+    argv = [sys.executable, "-m", "fastgen.serving.deploy.launcher", "--host", options["host"],
             "--port", str(options["port_number"]), "--deployment-name", name,
             "--startup-timeout", str(options["startup_timeout"]), *limits_argv(limits)]
     if options["tls_cert"] is not None:

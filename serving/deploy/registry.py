@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-from fastgen.serving.processes import pid_alive, read_json, write_json_atomic
+from fastgen.serving.deploy.processes import pid_alive, read_json, write_json_atomic
 
 ENV_DIR = "FASTGEN_DEPLOYMENTS_DIR"
 """Environment variable that overrides the registry directory (tests point it at a temp dir)."""
