@@ -337,7 +337,7 @@ def test_overrides_win_and_say_so(models):
                      offload="none", weight_memory=64 * GIB, weight_prepack=False, gemv_weights=False,
                      context_per_budget_token=0)
     plan = make_plan(models["7b"], _gpus(*[H100] * 4), **overrides)
-    assert plan.engine_kwargs() == overrides
+    assert plan.engine_kwargs() == {**overrides, "speculative_config": None}  # off unless asked for
     assert all(plan.reasons[name] == "set by the user" for name in overrides)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from fastgen.models.config import parse_dtype
 from fastgen.models.quant import INT4_GROUP_SIZES, QUANTIZATIONS
+from fastgen.planning.speculative import SpeculativeConfig, check_speculative_config, parse_speculative_config
 
 ATTENTION_BACKENDS = ("triton", "torch")
 COMPILE_MODES = ("off", "default", "max-autotune")
@@ -182,6 +183,12 @@ class Plan:
     replica_num: int = plan_field(
         "independent engine replicas behind a load balancer (a serving option; 1 for a pipeline)", "int | None", int,
         _check_positive_int)
+    speculative_config: SpeculativeConfig | None = plan_field(
+        'speculative decoding, vLLM\'s keys as a dict or JSON: {"method": "ngram", "num_speculative_tokens": k, '
+        '"prompt_lookup_min": a, "prompt_lookup_max": b} (prompt lookup) or {"model": PATH, '
+        '"num_speculative_tokens": k} (a draft model); the plan sets disable_by_batch_size, the decode batch '
+        "above which a step verifies no drafts; None = off", "SpeculativeConfig | dict | str | None",
+        parse_speculative_config, check_speculative_config)
     reasons: dict[str, str] = field(default_factory=dict)
     """Field name -> one line saying why it has its value (one for every other field)."""
 
@@ -257,4 +264,6 @@ def _format_value(name: str, value: Any) -> str:
         return f"{','.join(map(str, value[:5]))},...,{','.join(map(str, value[-3:]))} ({len(value)})"
     if name == "buckets":
         return ",".join(map(str, value)) or "none"
+    if name == "speculative_config" and value is None:
+        return "off"
     return str(value)

@@ -24,6 +24,8 @@ from fastgen.planning.memory import (CPU_KV_RAM_FRACTION, GPU_MEMORY_FRACTION, a
 from fastgen.planning.model_facts import ModelFacts, model_facts
 from fastgen.planning.offload_plan import OFFLOAD_MAX_TOKEN_BUDGET, OffloadChoice, choose_offload
 from fastgen.planning.plan import PLAN_FIELDS, Plan, dtype_name, format_bytes, format_count, normalise_overrides
+from fastgen.planning.speculative import (DEFAULT_GPU_HBM_GBPS, GPU_HBM_GBPS, SpeculativeConfig,
+                                          choose_disable_by_batch_size, step_time_model)
 from fastgen.planning.step_shape import (A100_BF16_TFLOPS, CPU_STEP_TARGET_S, CPU_WEIGHT_STREAM_GBPS_PER_CORE,
                                          FASTGEN_MAX_SEQS, FASTGEN_TOKEN_BUDGET, H200_BF16_TFLOPS, choose_block_size,
                                          choose_buckets, choose_context_charge, choose_token_budget, cpu_gflops,
@@ -134,12 +136,17 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     room = kv_room(hardware, resident + (stream.host_bytes if cpu else 0), tp, reserve(tp))
     kv = _choose_kv_memory(model, hardware, dtype, tp, room, max_seqs, block_size, user.get("kv_cache_memory"))
     reasons["kv_cache_memory"] = kv[1]
+    spec = pick("speculative_config", lambda: (None, "off: no speculative_config given"))
+    if spec is not None:
+        spec, reasons["speculative_config"] = _choose_speculation(spec, model, hardware, dtype, quant, group, tp,
+                                                                  max_seqs)
     reasons = {name: reasons[name] for name in PLAN_FIELDS}
     return Plan(dtype=dtype, quantization=quant, quantization_group_size=group, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
                 buckets=tuple(buckets), token_budget=budget, context_per_budget_token=context, max_seqs=max_seqs,
                 block_size=block_size,
                 kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory,
-                weight_prepack=prepack, gemv_weights=gemv, tensor_parallel=tp, replica_num=replicas, reasons=reasons)
+                weight_prepack=prepack, gemv_weights=gemv, tensor_parallel=tp, replica_num=replicas,
+                speculative_config=spec, reasons=reasons)
 
 
 # Decisions ------------------------------------------------------------------------------------
@@ -204,6 +211,36 @@ def _without_graphs_for_offload(user: dict[str, Any], offload: str, reasons: dic
     reasons["cuda_graphs"] = (f"off: offload={offload!r} streams weights between the layers' compute (host waits, "
                               "events, a copy thread), which a captured graph cannot replay; each layer still compiles")
     return False
+
+
+def _choose_speculation(spec: SpeculativeConfig, model: ModelFacts, hw: Hardware, dtype: torch.dtype, quant: str,
+                        group: int, tp: int, max_seqs: int) -> tuple[SpeculativeConfig, str]:
+    """The user's speculative_config checked against the model (a draft model's vocabulary) and with the
+    decode batch above which it stops paying (`choose_disable_by_batch_size`)."""
+    if tp > 1:
+        raise ValueError(f"speculative_config with tensor_parallel {tp} is not implemented yet: verification runs on "
+                         "one rank (use tensor_parallel=1, or replicas)")
+    draft = None
+    if spec.method == "draft_model":
+        draft = model_facts(spec.model)
+        if draft.vocab_size != model.vocab_size:
+            raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of {draft.vocab_size} tokens, "
+                             f"the target {model.vocab_size}: a draft model must share the target's vocabulary")
+    if hw.device_type == "cpu":
+        flops, stream = cpu_gflops(hw, dtype_name(dtype)) * 1e9, CPU_WEIGHT_STREAM_GBPS_PER_CORE * hw.cpu_cores
+        rates = f"matmuls at {flops / 1e9:.0f} GFLOP/s, weights streamed at {stream:.0f} GB/s"
+    else:
+        cc = min(g.compute_capability for g in hw.gpus)
+        flops = (H200_BF16_TFLOPS if cc >= (9, 0) else A100_BF16_TFLOPS) * 1e12
+        stream = next((rate for at_least, rate in sorted(GPU_HBM_GBPS.items(), reverse=True) if cc >= at_least),
+                      DEFAULT_GPU_HBM_GBPS)
+        rates = f"matmuls at {flops / 1e12:.0f} TFLOP/s, weights read at {stream / 1e3:.1f} TB/s"
+    target = step_time_model(model.weight_bytes(dtype, quant, group), model.active_params, flops, stream)
+    if draft is None:
+        return choose_disable_by_batch_size(spec, target, lambda tokens: 0.0, max_seqs, rates)
+    draft_quant = spec.quantization or "none"
+    draft_time = step_time_model(draft.weight_bytes(dtype, draft_quant, group), draft.active_params, flops, stream)
+    return choose_disable_by_batch_size(spec, target, draft_time, max_seqs, rates)
 
 
 def _choose_dtype(model: ModelFacts, hw: Hardware) -> tuple[torch.dtype, str]:
