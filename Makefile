@@ -13,7 +13,7 @@ DEMO_STAMP := $(VENV)/.fastgen-demo-installed
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,serving,compat]"
+	$(PY) -m pip install --quiet -e ".[dev,serving,compat,ray]"
 	touch $(STAMP)
 
 setup: $(STAMP)
