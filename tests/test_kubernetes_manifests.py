@@ -3,14 +3,13 @@ strict: unknown fields fail; its schemas ship in the package, so this runs offli
 agree with each other and with the server they run (its flags, ports and probe route)."""
 
 import copy
+import importlib
 import os
 import re
 
 import kubernetes_validate
 import pytest
 import yaml
-
-from fastgen.serving.cli import build_parser
 
 KUBERNETES_VERSION = "1.37.0"
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "kubernetes")
@@ -65,9 +64,13 @@ def test_the_pieces_fit_together():
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert {p["targetPort"] for p in service["spec"]["ports"]} == set(ports)
 
-    # The container's command line is one the launcher accepts, and its ports are the ones declared.
-    assert container["command"] == ["python", "-m", "fastgen.serving.launcher"]
-    args = build_parser().parse_args(container["args"])
+    # The container runs the launcher (what scripts/serve.py runs) with flags its parser accepts, on
+    # the ports the pod declares.
+    python, dash_m, module = container["command"]
+    assert (python, dash_m) == ("python", "-m")
+    launcher = importlib.import_module(module)
+    assert callable(launcher.main)
+    args = launcher.build_parser().parse_args(container["args"])
     assert args.enable_restful_api and args.host == "0.0.0.0"
     assert (args.restful_api_port, args.port) == (ports["http"], ports["grpc"])
     mount = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
