@@ -79,6 +79,10 @@ class ModelConfig:
     """Activation of the gated MLP."""
     layer_sliding_windows: list[int] = field(default_factory=list)
     """Per layer: sliding-window size, 0 = full attention."""
+    kv_latent_dim: int = 0
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; configs with `kv_lora_rank`): the width of
+    the one vector cached per token and layer in place of K and V, `kv_lora_rank + qk_rope_head_dim`.
+    0: K and V per KV head."""
     dtype: torch.dtype | None = None
     """dtype the checkpoint was saved in, None if the config does not say."""
     eos_token_id: list[int] = field(default_factory=list)
@@ -130,6 +134,7 @@ class ModelConfig:
             mlp_bias=raw.get("mlp_bias", False),
             hidden_act=raw.get("hidden_act", "silu"),
             layer_sliding_windows=_layer_sliding_windows(raw),
+            kv_latent_dim=raw["kv_lora_rank"] + raw.get("qk_rope_head_dim", 0) if raw.get("kv_lora_rank") else 0,
             dtype=parse_dtype(raw.get("dtype", raw.get("torch_dtype"))),
             eos_token_id=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
@@ -142,13 +147,22 @@ class ModelConfig:
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel: int | None = None) -> int:
-        """K and V bytes of one token over all layers on one rank, in `dtype`: the one formula the
-        planner (sizing the cache) and the runner (allocating it) share. `tensor_parallel` None is
-        this process's own group (`parallel`); ranks beyond the KV heads each hold a copy."""
+    def kv_cache_shapes(self, tensor_parallel: int | None = None) -> tuple[tuple[int, int], ...]:
+        """`(heads, width)` of each cache tensor one rank allocates per layer (`[num_blocks, block_size,
+        heads, width]`, `fastgen.ops.kv_cache`): K and V of its KV heads, or, with `kv_latent_dim`, MLA's
+        one latent vector (a single "head" every rank holds whole). The one layout the runner
+        allocates and the planner sizes. `tensor_parallel` None is this process's own group
+        (`parallel`); ranks beyond the KV heads each hold a copy."""
+        if self.kv_latent_dim:
+            return ((1, self.kv_latent_dim),)
         size = self.parallel.size if tensor_parallel is None else tensor_parallel
         kv_heads = kv_heads_per_rank(self.num_kv_heads, size)
-        return 2 * self.num_layers * kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+        return ((kv_heads, self.head_dim), (kv_heads, self.head_dim))
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel: int | None = None) -> int:
+        """KV-cache bytes of one token over all layers on one rank, in `dtype` (`kv_cache_shapes`)."""
+        per_layer = sum(heads * width for heads, width in self.kv_cache_shapes(tensor_parallel))
+        return self.num_layers * per_layer * torch.empty((), dtype=dtype).element_size()
 
 
 # Family-specific names of generic keys (GPT-2, OPT, Falcon). The family's own key wins: it is the

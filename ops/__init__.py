@@ -1,9 +1,11 @@
-"""Hand-written operations: paged attention over the blocked KV cache, the KV cache's layout and write
+"""Hand-written operations: paged attention over the blocked KV cache (with attention sinks), MLA's latent
+attention over a latent cache (`fastgen.ops.latent_attention`), the KV cache's layout and write
 (`fastgen.ops.kv_cache`), the CPU linear over oneDNN-prepacked weights (`fastgen.ops.packed_linear`) and
 the few-row linear that splits a weight's output rows over the cores (`fastgen.ops.gemv`)."""
 
 from fastgen.ops.attention_metadata import AttentionMetadata
 from fastgen.ops.kv_cache import allocate_kv_cache, gather_blocks, write_kv_cache
+from fastgen.ops.latent_attention import latent_attention, torch_latent_attention
 from fastgen.ops.paged_attention import (
     attention,
     paged_attention,
@@ -18,6 +20,8 @@ __all__ = [
     "allocate_kv_cache",
     "gather_blocks",
     "attention",
+    "latent_attention",
+    "torch_latent_attention",
     "paged_attention",
     "torch_paged_attention",
     "paged_attention_torch",

@@ -96,12 +96,15 @@ def attend_decode_rows(
     softcap: float,
     out: torch.Tensor,
     plans: dict | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attend the single query token of each of `rows` over its blocks and write it into `out`.
 
     `rows` index `block_tables`/`seq_lens`; `query_rows[i]` is row `rows[i]`'s token in `query`
     (`[T, num_q_heads, head_dim]`) and `out`. The K/V of this step must already be in the cache.
     `plans`: this step's plans by their settings, shared by its layers (None: plan for this call only).
+    `sinks` (`[num_q_heads]`): attention sinks, applied to each row's result through its log-sum-exp
+    (`_sink_weight`).
     """
     plans = {} if plans is None else plans
     block_size = k_cache.shape[1]
@@ -109,14 +112,21 @@ def attend_decode_rows(
         key = ("few", block_size, sliding_window)
         if key not in plans:
             plans[key] = _visible_spans(block_tables, seq_lens, rows, query_rows, block_size, sliding_window)
-        _attend_rows_one_by_one(query, k_cache, v_cache, plans[key], scale, softcap, out)
+        _attend_rows_one_by_one(query, k_cache, v_cache, plans[key], scale, softcap, out, sinks)
         return
     in_place = softcap == 0 and query.device.type == "cpu"  # the CPU flash kernel has no softcap
     key = ("batched", block_size, sliding_window, in_place, query.dtype)
     if key not in plans:
         plans[key] = plan_decode_rows(block_tables, seq_lens, rows, query_rows, block_size, sliding_window, in_place,
                                       query.dtype)
-    attend_planned(plans[key], query, k_cache, v_cache, scale, softcap, out)
+    attend_planned(plans[key], query, k_cache, v_cache, scale, softcap, out, sinks)
+
+
+def _sink_weight(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """What a softmax normalised over the keys alone is multiplied by when a sink logit joins its
+    denominator: sum / (sum + exp(sink)) = sigmoid(lse - sink), with `lse` `[..., kv_heads, group]` the
+    float32 log-sum-exp of the scores and `sinks` `[kv_heads * group]`; shaped to scale `[..., D]` outputs."""
+    return torch.sigmoid(lse - sinks.float().view(lse.shape[-2:]))[..., None]
 
 
 # At most this many rows are attended one by one: the batched path's small tensor ops per layer cost more
@@ -199,8 +209,9 @@ def _stretches(blocks: torch.Tensor) -> list[torch.Tensor]:
 
 
 def attend_planned(plan: DecodePlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                   softcap: float, out: torch.Tensor) -> None:
-    """Run `plan` over one layer's cache: every row's output written into `out` at its token."""
+                   softcap: float, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
+    """Run `plan` over one layer's cache: every row's output written into `out` at its token (scaled for
+    `sinks`, if any)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = query.shape[1] // num_kv_heads
     cells = plan.num_rows * plan.width
@@ -218,10 +229,13 @@ def attend_planned(plan: DecodePlan, query: torch.Tensor, k_cache: torch.Tensor,
         partial.index_copy_(0, c.dst, result)
         lse.index_copy_(0, c.dst, result_lse)
     if plan.width == 1:  # one block per row: nothing to merge
-        merged = partial
+        merged, row_lse = partial, lse
     else:
-        merged = _merge(partial.view(plan.num_rows, plan.width, *shape[1:]), lse.view(plan.num_rows, plan.width,
-                                                                                       *shape[1:3]))
+        cell_lse = lse.view(plan.num_rows, plan.width, *shape[1:3])
+        merged = _merge(partial.view(plan.num_rows, plan.width, *shape[1:]), cell_lse)
+        row_lse = torch.logsumexp(cell_lse, dim=1) if sinks is not None else None
+    if sinks is not None:
+        merged = merged.float() * _sink_weight(row_lse, sinks)
     out.index_copy_(0, plan.row_tokens, merged.reshape(plan.num_rows, -1, head_dim).to(out.dtype))
 
 
@@ -270,7 +284,7 @@ def _visible_spans(block_tables, seq_lens, rows: list[int], query_rows: list[int
 
 
 def _attend_rows_one_by_one(query, k_cache, v_cache, spans: list[tuple[int, list[int], int, int]], scale: float,
-                            softcap: float, out) -> None:
+                            softcap: float, out, sinks: torch.Tensor | None = None) -> None:
     """Each row's query over exactly its visible keys (`_visible_spans`): no mask, no merge. The keys of a
     row within one block are read where they lie; those of a longer row are copied into one stretch."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -283,7 +297,10 @@ def _attend_rows_one_by_one(query, k_cache, v_cache, spans: list[tuple[int, list
             keys, values = (torch.cat([cache[b].transpose(0, 1) for b in blocks], dim=1)[None, :, start:stop]
                             for cache in (k_cache, v_cache))
         q = query[token].view(1, num_kv_heads, -1, head_dim)
-        result = _attend_with_lse(q, keys, values, None, scale, softcap)[0].view(-1, head_dim)
+        result, lse = _attend_with_lse(q, keys, values, None, scale, softcap)
+        if sinks is not None:
+            result = result.float() * _sink_weight(lse, sinks)
+        result = result.view(-1, head_dim)
         out[token] = result if result.dtype == out.dtype else result.to(out.dtype)
 
 

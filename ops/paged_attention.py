@@ -39,12 +39,15 @@ def _attend_one(
     sliding_window: int,
     softcap: float,
     plans: dict | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of `q` `[Q, Hq, D]`, the last Q positions, over `k`/`v` `[L, Hkv, D]`. `plans`:
-    the step's plans (`torch_paged_attention`), where the mask is kept for the step's other layers."""
+    the step's plans (`torch_paged_attention`), where the mask is kept for the step's other layers.
+    `sinks`: per query head, a logit in the softmax's denominator only (`torch_paged_attention`)."""
     num_q, num_ctx = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    if softcap == 0 and (sliding_window <= 0 or sliding_window >= num_ctx):
+    explicit = softcap > 0 or sinks is not None  # scores SDPA cannot give: computed one by one
+    if not explicit and (sliding_window <= 0 or sliding_window >= num_ctx):
         # A query block over exactly its own keys is SDPA's `is_causal`: no mask tensor, and its
         # flash kernel skips the masked tiles.
         if num_q == num_ctx:
@@ -53,12 +56,12 @@ def _attend_one(
     # SDPA takes the additive mask as is, where it would turn a bool one into that every call; built
     # once a step, the masks of a 200-token chunk over 1200 positions cost 870 against 1025 us a call
     # (bf16, 8/2 heads of 64, 2-core AMX Xeon).
-    additive = q.dtype if softcap == 0 else None
+    additive = None if explicit else q.dtype
     key = ("causal_mask", num_q, num_ctx, sliding_window, additive)
     plans = {} if plans is None else plans
     if key not in plans:
         plans[key] = _causal_mask(num_q, num_ctx, sliding_window, q.device, additive)
-    return _attend_heads(qh, kh, vh, plans[key], scale, softcap)[0].transpose(0, 1)
+    return _attend_heads(qh, kh, vh, plans[key], scale, softcap, sinks)[0].transpose(0, 1)
 
 
 def _causal_mask(num_q: int, num_ctx: int, sliding_window: int, device: torch.device,
@@ -76,16 +79,23 @@ def _causal_mask(num_q: int, num_ctx: int, sliding_window: int, device: torch.de
     return mask[None, None]
 
 
-def _attend_heads(qh, kh, vh, mask, scale: float, softcap: float) -> torch.Tensor:
+def _attend_heads(qh, kh, vh, mask, scale: float, softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`qh` `[B, Hq, Q, D]` attends `kh`/`vh` `[B, Hkv, L, D]` (GQA) where `mask` (broadcast to `[B, 1, Q, L]`) is
-    True, or, with no softcap, adds `mask` (0 or -inf) to the scores."""
-    if softcap > 0:
+    True, or, with no softcap and no sinks, adds `mask` (0 or -inf) to the scores."""
+    if softcap > 0 or sinks is not None:
         group = qh.shape[1] // kh.shape[1]
         kh = kh.repeat_interleave(group, dim=1).float()
         vh = vh.repeat_interleave(group, dim=1).float()
-        scores = torch.tanh(torch.matmul(qh.float(), kh.transpose(2, 3)) * scale / softcap) * softcap
+        scores = torch.matmul(qh.float(), kh.transpose(2, 3)) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1), vh).to(qh.dtype)
+        if sinks is None:
+            return torch.matmul(torch.softmax(scores, dim=-1), vh).to(qh.dtype)
+        # The sink is one more logit per head in the denominator, with no value: its probability is dropped.
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        return torch.matmul(probs, vh).to(qh.dtype)
     return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -102,6 +112,7 @@ def torch_paged_attention(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     step_plans: dict | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend over each sequence's blocks (plain torch: the
@@ -109,9 +120,12 @@ def torch_paged_attention(
 
     `query` is `[T, num_q_heads, head_dim]`, `key`/`value` `[T, num_kv_heads, head_dim]`; the
     metadata is that of `AttentionMetadata`. `sliding_window` 0 means full attention; `softcap`
-    0 means no tanh soft-capping of the scores. Returns `[T, num_q_heads, head_dim]`, zeros for
-    padded tokens. `step_plans` (`AttentionMetadata.step_plans`): what the first layer of a step
-    works out from the metadata, kept for the other layers; None works it out for this call only.
+    0 means no tanh soft-capping of the scores. `sinks` (`[num_q_heads]`, None = none): attention
+    sinks (gpt-oss), one learned logit per query head added to the softmax's denominator and to no
+    value, so a head may attend to nothing: out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)).
+    Returns `[T, num_q_heads, head_dim]`, zeros for padded tokens. `step_plans`
+    (`AttentionMetadata.step_plans`): what the first layer of a step works out from the metadata,
+    kept for the other layers; None works it out for this call only.
     """
     # The CPU flash kernel reads each head's vector as if its elements were adjacent, whatever the
     # strides say (torch 2.13: a query with a last-dim stride of 2 gave wrong outputs, no error).
@@ -135,7 +149,7 @@ def torch_paged_attention(
     block_size = k_cache.shape[1]
     if single:
         attend_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, single, [starts[s] for s in single],
-                           scale, sliding_window, softcap, out, plans)
+                           scale, sliding_window, softcap, out, plans, sinks)
     for s, q_start, q_end, seq_len in chunks:
         if seq_len == q_end - q_start:
             # No earlier context (a prompt's first chunk): its K/V are this step's, no gather needed.
@@ -145,7 +159,7 @@ def torch_paged_attention(
             blocks = block_tables[s, : -(-seq_len // block_size)].long()
             k = gather_blocks(k_cache, blocks).flatten(0, 1)[:seq_len]
             v = gather_blocks(v_cache, blocks).flatten(0, 1)[:seq_len]
-        out[q_start:q_end] = _attend_one(query[q_start:q_end], k, v, scale, sliding_window, softcap, plans)
+        out[q_start:q_end] = _attend_one(query[q_start:q_end], k, v, scale, sliding_window, softcap, plans, sinks)
     return out
 
 
@@ -155,7 +169,7 @@ def torch_paged_attention(
 # kernel is needed. The Library object owns the registrations; it lives as long as this module.
 _SCHEMA = ("(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
            "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=0, "
-           "float softcap=0.0) -> Tensor")
+           "float softcap=0.0, Tensor? sinks=None) -> Tensor")
 _LIBRARY = torch.library.Library("fastgen", "DEF")
 _LIBRARY.define("paged_attention" + _SCHEMA)
 _LIBRARY.define("paged_attention_torch" + _SCHEMA)
@@ -184,6 +198,7 @@ def attention(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What model code calls: paged attention of one layer through `attn_metadata.backend`."""
     md = attn_metadata
@@ -194,7 +209,7 @@ def attention(
         # as the op in profiles, so traces read the same either way; the name is only recorded while a
         # profiler runs (~10 us a layer otherwise).
         args = (query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping, md.block_tables, md.seq_lens,
-                md.query_start_loc, scale, sliding_window, softcap, md.step_plans)
+                md.query_start_loc, scale, sliding_window, softcap, sinks, md.step_plans)
         if not torch.autograd._profiler_enabled():
             return torch_paged_attention(*args)
         with torch.profiler.record_function("fastgen::paged_attention_torch"):
@@ -209,12 +224,12 @@ def attention(
         raise ValueError(f"unknown attention backend {attn_metadata.backend!r} (supported: auto, torch, triton)")
     return op(
         query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping, md.block_tables, md.seq_lens,
-        md.query_start_loc, scale, sliding_window, softcap,
+        md.query_start_loc, scale, sliding_window, softcap, sinks,
     )
 
 
 def _fake(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-          sliding_window=0, softcap=0.0):
+          sliding_window=0, softcap=0.0, sinks=None):
     return torch.empty_like(query)
 
 

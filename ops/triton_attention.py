@@ -228,8 +228,8 @@ def _launch_kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tens
 def triton_paged_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-    scale: float, sliding_window: int = 0, softcap: float = 0.0, *, out: torch.Tensor | None = None,
-    num_kv_splits: int | None = None,
+    scale: float, sliding_window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None, *,
+    out: torch.Tensor | None = None, num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend, with the same contract as `fastgen::paged_attention`.
 
@@ -242,6 +242,10 @@ def triton_paged_attention(
     check_inputs(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
     if sliding_window < 0 or softcap < 0:
         raise ValueError(f"sliding_window ({sliding_window}) and softcap ({softcap}) must be >= 0")
+    if sinks is not None and (tuple(sinks.shape) != (query.shape[1],) or sinks.device != query.device
+                              or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a float tensor [{query.shape[1]}] (one per query head) on {query.device}, "
+                         f"got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
     if out is None:
         out = torch.zeros_like(query)
     elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(-1) != 1:
@@ -275,23 +279,24 @@ def triton_paged_attention(
     # The Triton interpreter's bf16 tl.dot gives wrong results (numpy has no bf16), so it computes in fp32;
     # fp32 inputs use IEEE products because tl.dot would otherwise round them to tf32.
     upcast = query.dtype == torch.float32 or (interpreted and query.dtype == torch.bfloat16)
+    sinks_arg = query if sinks is None else sinks.contiguous()  # never read without USE_SINKS
     common = dict(HEAD_DIM_PAD=head_dim_pad, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q)
     kernels.paged_attention_kernel[(grid_q, num_kv_heads, num_kv_splits)](
         out, part_acc, part_max, part_sum,
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks_arg,
         num_seqs, num_q_heads, float(scale), float(softcap) if softcap > 0 else 1.0, int(sliding_window),
         block_size, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0),
         TILE_N=TILE_N, NUM_SPLITS=num_kv_splits, USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0,
-        UPCAST=upcast, IEEE_DOT=upcast,
+        USE_SINKS=sinks is not None, UPCAST=upcast, IEEE_DOT=upcast,
         num_warps=num_warps, **common,
     )
     if num_kv_splits > 1:
         kernels.reduce_splits_kernel[(grid_q, num_kv_heads)](
-            out, part_acc, part_max, part_sum, seq_lens, query_start_loc,
+            out, part_acc, part_max, part_sum, seq_lens, query_start_loc, sinks_arg,
             num_seqs, num_q_heads, head_dim, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_kv_splits, num_warps=4, **common,
+            NUM_SPLITS=num_kv_splits, USE_SINKS=sinks is not None, num_warps=4, **common,
         )
     return out

@@ -97,15 +97,18 @@ def _locate(query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
     num_seqs, num_q_heads, scale, softcap, sliding_window, block_size, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
+    USE_SINKS: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
-    """Causal attention of one query block of one sequence, one KV head's query heads, one KV split."""
+    """Causal attention of one query block of one sequence, one KV head's query heads, one KV split.
+
+    With `USE_SINKS`, each query head's sink logit (`sinks_ptr[head]`) joins the softmax's denominator
+    when the result is normalised (here, or in `reduce_splits_kernel` when the KV is split)."""
     seq, q_start, block_first, query_len, seq_len = _locate(query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK_Q)
     if (block_first >= query_len) | (seq_len <= 0):
         return
@@ -181,6 +184,11 @@ def paged_attention_kernel(
         row_max = new_max
 
     if NUM_SPLITS == 1:
+        if USE_SINKS:
+            # exp(sink) in the scale of the running sum (log2 domain, relative to the row max); a row
+            # that saw no key has max -inf and acc 0, and stays 0.
+            sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+            row_sum = row_sum + tl.math.exp2(sink - row_max)
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -193,10 +201,10 @@ def paged_attention_kernel(
 
 @triton.jit
 def reduce_splits_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
     num_seqs, num_q_heads, head_dim, stride_ot, stride_oh,
     HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     """Merge the partial results of the KV splits; same grid (axes 0, 1) and rows as the attention kernel."""
     seq, q_start, block_first, query_len, seq_len = _locate(query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK_Q)
@@ -223,6 +231,9 @@ def reduce_splits_kernel(
         part = tl.load(part_acc_ptr + (base + split)[:, None] * HEAD_DIM_PAD + dims[None, :], mask=row_ok[:, None],
                        other=0.0)
         acc += weight[:, None] * part
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+        total_sum += tl.math.exp2(sink - safe_max)
     out = acc / tl.where(total_sum == 0.0, 1.0, total_sum)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims < head_dim)[None, :])

@@ -3,7 +3,8 @@
 It takes the op's own arguments and does what the contract says, one step at a time, in Python
 loops: write each real token's K/V to its slot, then for each sequence gather its keys position by
 position through its block table, and for each query token and head take the keys the rules let
-it see (causal, sliding window), softcap the scores, softmax in float64 and average the values.
+it see (causal, sliding window), softcap the scores, softmax in float64 (a sink logit, if any, joining
+the denominator) and average the values.
 Nothing in it is shared with `fastgen.ops`, so an op is checked against the rules, not against
 another implementation of them. Small shapes only.
 """
@@ -28,13 +29,15 @@ def paged_attention_oracle(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(float64 output `[tokens, Hq, D]`, K cache after the write, V cache after the write) of one
     `fastgen::paged_attention` call; the caches passed in are left untouched.
 
     Sequence `s` owns query rows `query_start_loc[s] : query_start_loc[s + 1]`, the last positions of
     its `seq_lens[s]` tokens; rows no sequence owns (padding) are zero. Query position `i` sees key
-    position `j` iff `j <= i` and, with a window, `i - j < sliding_window`.
+    position `j` iff `j <= i` and, with a window, `i - j < sliding_window`. With `sinks`, head `h`'s
+    softmax denominator holds one more term, `exp(sinks[h])`, that weighs no value.
     """
     k_after, v_after = k_cache.clone(), v_cache.clone()
     block_size = k_cache.shape[1]
@@ -67,8 +70,9 @@ def paged_attention_oracle(
                     if softcap > 0:
                         score = softcap * math.tanh(score / softcap)
                     scores.append(score)
-                top = max(scores)
+                sink = [] if sinks is None else [float(sinks[h])]
+                top = max(scores + sink)
                 weights = [math.exp(x - top) for x in scores]
-                total = sum(weights)
+                total = sum(weights) + sum(math.exp(x - top) for x in sink)
                 out[row, h] = sum(w / total * values[j][kv] for w, j in zip(weights, visible))
     return out, k_after, v_after

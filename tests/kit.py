@@ -178,8 +178,9 @@ class PagedRunner:
         self.backend = backend
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+        self.kv_caches = [tuple(torch.zeros(num_blocks, block_size, heads, width, dtype=dtype)
+                                for heads, width in cfg.kv_cache_shapes())
+                          for _ in range(cfg.num_layers)]
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
 
     def add(self, token_ids: list[int]) -> PagedSeq:

@@ -42,7 +42,8 @@ class _Harness:
 
     def __init__(self, *, block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, window: int = 0, softcap: float = 0.0,
-                 num_blocks: int = 64, seed: int = 0, shuffle: bool = True, layout: str = "head_major") -> None:
+                 num_blocks: int = 64, seed: int = 0, shuffle: bool = True, layout: str = "head_major",
+                 sinks: bool = False) -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.block_size, self.head_dim = block_size, head_dim
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
@@ -56,6 +57,8 @@ class _Harness:
             self.k_cache, self.v_cache = (torch.full(shape, float("nan"), dtype=dtype) for _ in "kv")
         order = torch.randperm(num_blocks, generator=self.gen) if shuffle else torch.arange(num_blocks - 1, -1, -1)
         self.free = order.tolist()
+        # Attention sinks: one logit per query head, of the scores' magnitude so they take a real share.
+        self.sinks = 2 * torch.randn(num_q_heads, generator=self.gen) + 1 if sinks else None
 
     def _randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen).to(self.dtype)
@@ -94,7 +97,7 @@ class _Harness:
             tables[row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
         args = (query, key, value, self.k_cache, self.v_cache, torch.tensor(slots, dtype=torch.int64), tables,
                 torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
-                self.scale, self.window, self.softcap)
+                self.scale, self.window, self.softcap, self.sinks)
         return args
 
     def check(self, expected: tuple, args: tuple, out: torch.Tensor, num_real: int) -> None:
@@ -170,6 +173,29 @@ def test_softcap(softcap, window, dtype):
     h = _Harness(block_size=4, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, window=window,
                  softcap=softcap, seed=int(softcap) + window)
     _run_batch(h, "mixed", seed=int(softcap * 10) + window, pad_tokens=1, pad_rows=1)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_sinks(kind, window):
+    """Attention sinks (a logit per query head in the softmax's denominator only): prompt chunks, first
+    chunks and many decode rows (merged block by block through their log-sum-exps)."""
+    h = _Harness(block_size=4, num_q_heads=8, num_kv_heads=2, head_dim=32, window=window, sinks=True,
+                 seed=len(kind) + window)
+    _run_batch(h, kind, seed=3 * len(kind) + window, pad_tokens=2, pad_rows=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_sinks_few_decode_rows_softcap_and_dtypes(softcap, dtype):
+    """Sinks on the rows attended one by one (up to three decode rows), with a softcap and in bf16."""
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=1, head_dim=32, dtype=dtype, softcap=softcap,
+                 sinks=True, seed=17)
+    seqs = [_Seq() for _ in range(3)]
+    h.step([(s, n) for s, n in zip(seqs, [2, 9, 14])])
+    for _ in range(3):
+        h.step([(s, 1) for s in seqs], pad_tokens=1)
+    h.step([(seqs[0], 1), (seqs[1], 6)])
 
 
 def _strided(t: torch.Tensor, how: str) -> torch.Tensor:
@@ -337,6 +363,8 @@ TRITON_CASES = [
     ("softcap_window", dict(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, window=6, softcap=5.0),
      "mixed", 1, 1),
     ("bf16", dict(block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16), "mixed", 2, 2),
+    ("sinks_window", dict(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, window=5, sinks=True),
+     "mixed", 1, 1),
 ]
 
 
@@ -374,13 +402,13 @@ def test_all_padding_step(op):
 
 
 def _oracle_one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
-                         softcap: float = 0.0) -> torch.Tensor:
+                         softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The oracle on one whole sequence (`[L, H, D]` each) held in a single block."""
     length, num_kv_heads, head_dim = k.shape
     cache = torch.full((1, length, num_kv_heads, head_dim), float("nan"), dtype=k.dtype)
     out, _, _ = paged_attention_oracle(q, k, v, cache, cache.clone(), torch.arange(length),
                                        torch.zeros(1, 1, dtype=torch.int32), torch.tensor([length]),
-                                       torch.tensor([0, length]), head_dim**-0.5, window, softcap)
+                                       torch.tensor([0, length]), head_dim**-0.5, window, softcap, sinks)
     return out
 
 
@@ -398,6 +426,15 @@ def test_oracle_equals_sdpa_and_its_rules_change_the_answer():
     assert not torch.allclose(plain, _oracle_one_sequence(q, k, v, window=3), atol=1e-3)
     assert not torch.allclose(plain, _oracle_one_sequence(q, k, v, softcap=1.0), atol=1e-3)
     torch.testing.assert_close(_oracle_one_sequence(q, k, v, window=1), v.repeat_interleave(2, dim=1))
+    # A sink shrinks each output by the sink's share of the denominator: exp(sink) / (exp(sink) + sum)
+    # is 1/2 for the first position (one key, of score q.k) when sink = its score.
+    sinks = torch.tensor([0.5, -1.0, 2.0, 100.0], dtype=torch.float64)
+    with_sinks = _oracle_one_sequence(q, k, v, sinks=sinks)
+    assert not torch.allclose(plain, with_sinks, atol=1e-3)
+    assert with_sinks[:, 3].abs().max() < 1e-6  # a huge sink takes (nearly) everything
+    first = (q[0] * k[0].repeat_interleave(2, dim=0)).sum(-1) * 16**-0.5
+    torch.testing.assert_close(_oracle_one_sequence(q[:1], k[:1], v[:1], sinks=first)[0],
+                               v[0].repeat_interleave(2, dim=0) / 2)
 
 
 # Registration -----------------------------------------------------------------------------------------

@@ -92,18 +92,24 @@ def make_batch(seqs: list[tuple[int, int]], *, block_size: int, num_q_heads: int
 
 
 def check_against_reference(batch: Batch, *, sliding_window: int = 0, softcap: float = 0.0,
-                            num_kv_splits: int | None = None) -> None:
+                            num_kv_splits: int | None = None, sinks: bool = False) -> None:
     """Run the kernel (on `DEVICE`) on copies of the cache; compare its output and caches with the
-    float64 oracle's, and its output with the torch path's."""
+    float64 oracle's, and its output with the torch path's. `sinks`: with a random sink logit per
+    query head, large enough to take a good share of the softmax."""
     scale = batch.query.shape[-1] ** -0.5
+    sink_logits = None
+    if sinks:
+        sink_logits = 2 * torch.randn(batch.query.shape[1], generator=torch.Generator().manual_seed(5)) + 1
     expected, ref_k, ref_v = paged_attention_oracle(*batch.args(batch.k_cache, batch.v_cache), scale,
-                                                    sliding_window, softcap)
+                                                    sliding_window, softcap, sink_logits)
     torch_out = torch_paged_attention(*batch.args(batch.k_cache.clone(), batch.v_cache.clone()), scale,
-                                      sliding_window, softcap)
+                                      sliding_window, softcap, sink_logits)
     args = [t.to(DEVICE) for t in batch.args(batch.k_cache.clone(), batch.v_cache.clone())]
     k_cache, v_cache = args[3], args[4]
     out = torch.full_like(args[0], float("nan"))
-    ta.triton_paged_attention(*args, scale, sliding_window, softcap, out=out, num_kv_splits=num_kv_splits)
+    device_sinks = None if sink_logits is None else sink_logits.to(DEVICE)
+    ta.triton_paged_attention(*args, scale, sliding_window, softcap, device_sinks, out=out,
+                              num_kv_splits=num_kv_splits)
     out, k_cache, v_cache = out.cpu(), k_cache.cpu(), v_cache.cpu()
     torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0, equal_nan=True)
@@ -141,6 +147,14 @@ CASES = [
     ("split_kv_mixed_window", [(150, 1), (20, 19), (60, 2)],
      dict(block_size=16, num_q_heads=8, num_kv_heads=1, head_dim=64, pad_tokens=2),
      dict(num_kv_splits=3, sliding_window=40)),
+    # Attention sinks (gpt-oss): normalised in the attention kernel, and in the split-KV reduce.
+    ("sinks_mixed_window", [(40, 1), (0, 21), (13, 9), (70, 1)],
+     dict(block_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64, pad_tokens=1),
+     dict(sliding_window=7, sinks=True)),
+    ("sinks_split_kv", [(150, 1), (20, 19), (60, 2), (0, 0)],
+     dict(block_size=16, num_q_heads=4, num_kv_heads=1, head_dim=64), dict(num_kv_splits=3, sinks=True)),
+    ("sinks_bf16", [(9, 1), (0, 12), (40, 5)],
+     dict(block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16), dict(sinks=True)),
 ]
 
 
@@ -340,12 +354,12 @@ def test_kernels_compile_for_sm90_without_a_gpu():
 
         meta = {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
         data = {n: "*bf16" for n in ("out_ptr", "query_ptr", "k_cache_ptr", "v_cache_ptr", "key_ptr", "value_ptr")}
-        parts = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
+        parts = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "sinks_ptr")}
         tile = dict(HEAD_DIM_PAD=128, GROUP=4, BLOCK_M=16, BLOCK_Q=4)
         compile_kernel(K.paged_attention_kernel, {**meta, **data, **parts},
-                       dict(tile, TILE_N=32, NUM_SPLITS=2, USE_WINDOW=True, USE_SOFTCAP=True, UPCAST=False,
-                            IEEE_DOT=False))
-        compile_kernel(K.reduce_splits_kernel, {**meta, **data, **parts}, dict(tile, NUM_SPLITS=2))
+                       dict(tile, TILE_N=32, NUM_SPLITS=2, USE_WINDOW=True, USE_SOFTCAP=True, USE_SINKS=True,
+                            UPCAST=False, IEEE_DOT=False))
+        compile_kernel(K.reduce_splits_kernel, {**meta, **data, **parts}, dict(tile, NUM_SPLITS=2, USE_SINKS=True))
         compile_kernel(K.kv_write_kernel, {**data, "slot_mapping_ptr": "*i64"},
                        dict(BLOCK_T=8, HEADS_PAD=8, HEAD_DIM_PAD=128))
         print("ok")

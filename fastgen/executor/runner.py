@@ -136,9 +136,9 @@ class ModelRunner:
         self.buckets = sorted(set(buckets))
         self.compile_mode = compile
         self.cuda_graphs = cuda_graphs
-        kv_heads = config.parallel.kv_heads(config.num_kv_heads)
         self.kv_caches = [
-            tuple(allocate_kv_cache(num_blocks, block_size, kv_heads, config.head_dim, dtype, device) for _ in "kv")
+            tuple(allocate_kv_cache(num_blocks, block_size, heads, width, dtype, device)
+                  for heads, width in config.kv_cache_shapes())
             for _ in range(config.num_layers)
         ]
         self.buffers = None
