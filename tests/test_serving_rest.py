@@ -385,3 +385,30 @@ def test_app_without_terminate_hook_and_bad_arguments(served):
         args = dict(backend=loop, deployment_name=DEPLOYMENT, tokenizer=tok, model_name=MODEL)
         with pytest.raises(error):
             create_app(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_terminate_refuses_what_a_browser_sends_cross_site(served, key):
+    # A GET that stops the server is what any page can fire at 127.0.0.1 (an <img> is enough):
+    # browsers mark such a request (Sec-Fetch-Site, Origin); curl and MII's client send neither.
+    loop, tok = served.app.state.gateway.backend, served.tokenizer
+    stops = []
+    app = create_app(loop, DEPLOYMENT, tok, MODEL, api_key=key, on_terminate=lambda: stops.append(1))
+    auth = {"Authorization": f"Bearer {KEY}"} if key else {}
+    with TestClient(app) as http:
+        for headers in ({"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"},
+                        {"Origin": "http://evil.example"}, {"Origin": "null"},
+                        {"Origin": "http://testserver:8080"}, {"Origin": "https://testserver"},
+                        {"Origin": "http://testserver", "Sec-Fetch-Site": "cross-site"}):
+            resp = http.get("/terminate", headers={**auth, **headers})
+            assert resp.status_code == 403, headers
+            assert resp.json()["error"]["code"] == "cross_site_request"
+        assert stops == []
+        if key:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):  # the key stays required, same-origin or not
+                assert http.get("/terminate", headers={**headers, "Sec-Fetch-Site": "same-origin"}).status_code == 401
+            assert stops == []
+        for headers in ({}, {"Sec-Fetch-Site": "none"}, {"Sec-Fetch-Site": "same-origin", "Origin": "http://testserver"}):
+            resp = http.get("/terminate", headers={**auth, **headers})
+            assert resp.status_code == 200 and resp.text == f"terminating deployment {DEPLOYMENT}", headers
+    assert len(stops) == 3

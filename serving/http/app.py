@@ -22,16 +22,14 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.responses import Response as HTTPResponse
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fastgen.sampling_params import SamplingParams
 from fastgen.serving.http.gateway import Gateway
-from fastgen.serving.http.guard import ApiError, HttpGuard, Offload, public_routes, read_json_object
+from fastgen.serving.http.guard import ApiError, HttpGuard, Offload, public_routes
+from fastgen.serving.http.mii_routes import add_mii_routes
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.metrics import ServingMetrics
 from fastgen.serving.http.openai_routes import add_openai_routes
-from fastgen.serving.http.openai_params import prompts_param, sampling_params
 from fastgen.serving.http.openapi_schema import install_openapi
 from fastgen.serving.http.utility_routes import add_utility_routes
 
@@ -64,41 +62,6 @@ class _RequestCounter:
         finally:
             route = scope.get("route")
             self.metrics.count_request(getattr(route, "path", "unmatched"), status)
-
-
-def _parse_mii(body: dict[str, Any]) -> tuple[list[str | list[int]], SamplingParams]:
-    """Validate a `/mii/{deployment}` body: MII's `prompts` and generation kwargs by name.
-
-    MII's gateway passed the body to its client's `generate(**body)`, so `stream` (a bool) is
-    accepted as MII's unary call accepted it; the answer is the full completions either way.
-    """
-    if body.get("prompts") is None:
-        raise ApiError(400, 'prompts is required: {"prompts": "..." or ["...", ...], <generation kwargs>}',
-                       param="prompts")
-    prompts = prompts_param(body.pop("prompts"), "prompts", flat_ids=False)
-    if not isinstance(body.pop("stream", False), bool):
-        raise ApiError(400, "stream must be a bool (true or false)", param="stream")
-    return prompts, sampling_params(body)
-
-
-def _add_mii_routes(router: APIRouter, gateway: Gateway, deployment_name: str,
-                    on_terminate: Callable[[], None] | None) -> None:
-    @router.post("/mii/{name}")
-    async def mii_generate(name: str, request: Request) -> JSONResponse:
-        if name != deployment_name:
-            raise ApiError(404, f"deployment {name[:100]!r} is not served here (this server serves "
-                                f"{deployment_name!r})", code="deployment_not_found")
-        prompts, params = await read_json_object(request, gateway.offload, _parse_mii)
-        results = await gateway.collect(request, await gateway.start(prompts, params, "prompts"))
-        return JSONResponse([r.to_msg_dict() for r in results])
-
-    @router.get("/terminate")
-    async def terminate() -> PlainTextResponse:
-        if on_terminate is None:
-            raise ApiError(501, "this gateway has no deployment to stop: /terminate works when the server runs "
-                                "under scripts/serve.py (create_app(on_terminate=...))", code="terminate_unavailable")
-        # After the response is sent, as MII did: the caller gets its answer before the server goes.
-        return PlainTextResponse(f"terminating deployment {deployment_name}", background=BackgroundTask(on_terminate))
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -194,7 +157,7 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
         router.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
     add_openai_routes(router, gateway, model_name, max_model_len, strict_params)
     add_utility_routes(router, gateway, model_name, max_model_len, strict_params)
-    _add_mii_routes(router, gateway, deployment_name, on_terminate)
+    add_mii_routes(router, gateway, deployment_name, on_terminate)
 
     @router.get("/metrics")
     async def prometheus_metrics() -> HTTPResponse:
