@@ -37,9 +37,11 @@ ALLOWED = [
     ("fastgen.serving", ["fastgen.serving.", *PUBLIC]),
     ("fastgen.serving.limits", [*PUBLIC]),
     ("fastgen.serving.metrics", [*PUBLIC]),
-    ("fastgen.serving.grpc", ["fastgen.serving.limits", "fastgen.serving.backend", *PUBLIC]),
-    ("fastgen.serving.http", ["fastgen.serving.limits", "fastgen.serving.metrics", "fastgen.serving.backend",
+    ("fastgen.serving.admission", [*PUBLIC]),
+    ("fastgen.serving.grpc", ["fastgen.serving.limits", "fastgen.serving.admission", "fastgen.serving.backend",
                               *PUBLIC]),
+    ("fastgen.serving.http", ["fastgen.serving.limits", "fastgen.serving.admission", "fastgen.serving.metrics",
+                              "fastgen.serving.backend", *PUBLIC]),
 ]
 LAZY_OK = {"fastgen.__init__": ["fastgen.serving."], "fastgen.api": ["fastgen.executor."]}
 """Imports allowed inside functions only (they run when called, not when the module loads)."""

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 
 import grpc
+import httpx
 import pytest
 from test_grpc_auth import _self_signed
 
@@ -249,3 +250,51 @@ def test_launcher_rejects_bad_options(capsys):
                     "--kv-cache-memory", "0.5", "--num-kv-blocks", "64"]
     args = vars(launcher.build_parser().parse_args(argv))
     assert {name: args[name] for name in options} == {**options, "buckets": [1, 4]}
+
+
+def test_max_pending_requests_bounds_grpc_and_rest_together(tiny_checkpoints, monkeypatch):
+    """`max_pending_requests=2` is the deployment's bound, both protocols together: one gRPC and one
+    REST stream in flight fill it, and the next call of either protocol is refused (gRPC
+    RESOURCE_EXHAUSTED, HTTP 429) until a stream ends."""
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    port, rest_port = _free_port(), _free_port()
+    # Room for both long streams in the KV cache: they stay in flight for hundreds of steps.
+    client = fastgen.serve(tiny_checkpoints["llama"], deployment_name="tiny-pending", port_number=port,
+                           enable_restful_api=True, restful_api_port=rest_port, max_pending_requests=2,
+                           startup_timeout=120, **{**ENGINE, "num_kv_blocks": 160})
+    pid = client.pid
+    long = dict(max_new_tokens=480, ignore_eos=True, do_sample=False)
+    url = f"http://127.0.0.1:{rest_port}"
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, httpx.Client(base_url=url, timeout=60) as http:
+            stub = pb_grpc.FastGenStub(channel)
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            busy_grpc = stub.GenerateStream(pb.GenerateRequest(prompts=[pb.Prompt(text="busy")],
+                                                               params=pb.SamplingParams(**long)))
+            grpc_deltas = iter(busy_grpc)
+            next(grpc_deltas)  # admitted and generating: 1 of 2
+            body = {"model": model, "prompt": "busy", "max_tokens": 480, "ignore_eos": True, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as busy_rest:
+                assert busy_rest.status_code == 200
+                lines = busy_rest.iter_lines()  # kept referenced: dropping it closes the connection
+                next(line for line in lines if line.startswith("data: "))  # 2 of 2
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Generate(pb.GenerateRequest(prompts=[pb.Prompt(text="one more")],
+                                                     params=pb.SamplingParams(max_new_tokens=2)), timeout=30)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "limit of 2 pending sequences (2 in flight)" in refused.value.details()
+                resp = http.post("/v1/completions", json={"model": model, "prompt": "one more", "max_tokens": 2})
+                assert resp.status_code == 429 and resp.json()["error"]["code"] == "too_many_pending_requests"
+                assert resp.headers["Retry-After"] == "1"
+                mii = http.post("/mii/tiny-pending", json={"prompts": "one more", "max_new_tokens": 2})
+                assert mii.status_code == 429
+            busy_grpc.cancel()  # both streams gone: their places come back
+            _eventually(lambda: http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2,
+                                                                   "n": 2}).status_code == 200, timeout=30)
+            reply = stub.Generate(pb.GenerateRequest(prompts=[pb.Prompt(text="a"), pb.Prompt(text="b")],
+                                                     params=pb.SamplingParams(max_new_tokens=2)), timeout=30)
+            assert [c.generated_length for c in reply.completions] == [2, 2]
+        client.terminate_server(timeout=30)
+        assert _reaped(pid)
+    finally:
+        _kill_group(pid)

@@ -64,17 +64,20 @@ def _rest_module() -> Any:
 
 
 def _rest_app(rest: Any, args: argparse.Namespace, backend: Backend, stop: threading.Event,
-              limits: ServingLimits) -> Any:
-    """The gateway's app over the same backend and limits; `GET /terminate` stops the deployment as Terminate does."""
+              server: GrpcServer) -> Any:
+    """The gateway's app over the same backend, limits and admission budget as the gRPC `server`
+    (so `--max-pending-requests` bounds both protocols together); `GET /terminate` stops the
+    deployment as Terminate does."""
     metrics = None
     if isinstance(backend, LocalBackend):
         from fastgen.serving.metrics import ServingMetrics
 
         metrics = ServingMetrics(backend.engine.stats)
     return rest.create_app(backend, deployment_name=args.deployment_name, tokenizer=backend.tokenizer,
-                           model_name=args.model or os.path.basename(DEMO_MODEL_DIR), limits=limits,
+                           model_name=args.model or os.path.basename(DEMO_MODEL_DIR), limits=server.limits,
                            max_model_len=backend.model_info().max_length, metrics=metrics, on_terminate=stop.set,
-                           strict_params=args.strict_params, protect_metrics=args.protect_metrics)
+                           strict_params=args.strict_params, protect_metrics=args.protect_metrics,
+                           budget=server.budget)
 
 
 class _RestThread:
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         server.set_backend(backend)
         if rest is not None:
             tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
-            gateway = _RestThread(_rest_app(rest, args, backend, stop, limits), rest_host, args.restful_api_port, tls)
+            gateway = _RestThread(_rest_app(rest, args, backend, stop, server), rest_host, args.restful_api_port, tls)
         _announce(args, server, rest_host)
 
         def should_stop() -> bool:

@@ -1,8 +1,7 @@
 """What a gRPC call passes before it runs, and how our clients open channels.
 
-The server side: `ApiKeyInterceptor` (a bearer key on every method but health and reflection),
-`PendingBudget` (a bound on the sequences in flight, RESOURCE_EXHAUSTED with a retry hint beyond
-it) and TLS credentials from PEM files. The client side (our clients and the replica router):
+The server side: `ApiKeyInterceptor` (a bearer key on every method but health and reflection)
+and TLS credentials from PEM files (the pending budget, shared with REST, is `serving.admission`). The client side (our clients and the replica router):
 `open_channel` (plain or TLS) and `auth_metadata` (the key as call metadata).
 """
 
@@ -10,13 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from fastgen.sampling_params import FieldValueError
 from fastgen.serving.limits import api_keys_from_env, bearer_token, key_matches
 
 logger = logging.getLogger("fastgen.serving")
@@ -25,8 +22,6 @@ AUTH_METADATA_KEY = "authorization"
 """Metadata key carrying `Bearer KEY` (gRPC metadata keys are lower case)."""
 RETRY_AFTER_KEY = "retry-after-ms"
 """Trailing-metadata key of a RESOURCE_EXHAUSTED answer: milliseconds to wait before retrying."""
-RETRY_AFTER_MS = 1000
-"""The retry hint given when the pending budget is full."""
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                  "grpc.reflection.v1.ServerReflection")
 """Services callable without a key: load balancers probe health, and reflection only describes the API."""
@@ -78,55 +73,6 @@ def _refusal(handler: Any, message: str) -> Any:
     return make(refuse, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
-class Overloaded(Exception):
-    """The pending budget cannot take a request now; the caller should retry after `retry_after_ms`."""
-
-    def __init__(self, message: str, retry_after_ms: int = RETRY_AFTER_MS) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
-
-
-class PendingBudget:
-    """The sequences (prompts x n) in flight through one server, bounded by `limit` (None = unbounded)."""
-
-    def __init__(self, limit: int | None) -> None:
-        self.limit = limit
-        self._pending = 0
-        self._lock = threading.Lock()
-
-    @property
-    def pending(self) -> int:
-        """Sequences admitted and not yet released."""
-        return self._pending
-
-    def acquire(self, count: int, field: str) -> Callable[[], None]:
-        """Admit `count` sequences; returns the release (idempotent, callable from any thread).
-
-        A request that could never fit is a ValueError naming `field`; one that does not fit now
-        raises `Overloaded`.
-        """
-        limit = self.limit
-        if limit is not None and count > limit:
-            raise FieldValueError(f"{field}: this request needs {count} sequences (prompts x n) but the server "
-                                  f"admits at most {limit} at a time", field)
-        with self._lock:
-            if limit is not None and self._pending + count > limit:
-                raise Overloaded(f"server is at its limit of {limit} pending sequences ({self._pending} in flight); "
-                                 f"retry in {RETRY_AFTER_MS} ms")
-            self._pending += count
-        done = False
-
-        def release() -> None:
-            nonlocal done
-            with self._lock:
-                if done:
-                    return
-                done = True
-                self._pending -= count
-
-        return release
-
-
 def read_pem(option: str, path: str) -> bytes:
     """The bytes of a PEM file, or ValueError naming the option."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
@@ -176,5 +122,5 @@ def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return ((AUTH_METADATA_KEY, f"Bearer {api_key}"),) if api_key else ()
 
 
-__all__ = ["AUTH_METADATA_KEY", "ApiKeyInterceptor", "OPEN_SERVICES", "Overloaded", "PendingBudget",
-           "RETRY_AFTER_KEY", "auth_metadata", "client_api_key", "open_channel", "read_pem", "server_credentials"]
+__all__ = ["AUTH_METADATA_KEY", "ApiKeyInterceptor", "OPEN_SERVICES", "RETRY_AFTER_KEY", "auth_metadata",
+           "client_api_key", "open_channel", "read_pem", "server_credentials"]

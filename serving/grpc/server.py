@@ -35,8 +35,8 @@ from fastgen.outputs import Response
 from fastgen.sampling_params import FieldTypeError, FieldValueError, SamplingParams
 from fastgen.serving.backend import Backend, BackendUnavailable, submit_group
 from fastgen.serving.grpc.convert import completion_from_response, kwargs_from_mii, params_from_proto, prompts_from_proto
-from fastgen.serving.grpc.guard import RETRY_AFTER_KEY, ApiKeyInterceptor, Overloaded, PendingBudget, \
-    server_credentials
+from fastgen.serving.admission import Overloaded, PendingBudget, shared_budget
+from fastgen.serving.grpc.guard import RETRY_AFTER_KEY, ApiKeyInterceptor, server_credentials
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
@@ -250,13 +250,16 @@ class GrpcServer:
     (the model is loading). `Terminate` sets `terminated` and calls `on_terminate` if given
     (the launcher then shuts the whole deployment down), else stops this server. `limits` sets
     the API keys and bounds (default: no key, `ServingLimits()`'s bounds); `tls_cert`/`tls_key`
-    (PEM files, both or neither) serve TLS instead of plain TCP.
+    (PEM files, both or neither) serve TLS instead of plain TCP. `budget` is the deployment's
+    admission budget when the REST gateway shares it (default: this server's own, of
+    `limits.max_pending_requests`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, deployment_name: str = "",
                  backend: Backend | None = None, max_workers: int = 128,
                  on_terminate: Callable[[], None] | None = None, limits: ServingLimits | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 budget: PendingBudget | None = None) -> None:
         if not isinstance(max_workers, int) or max_workers < 1:
             raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
         if limits is not None and not isinstance(limits, ServingLimits):
@@ -268,7 +271,8 @@ class GrpcServer:
         self.terminated = threading.Event()
         self._on_terminate = on_terminate
         self._backend: Backend | None = None
-        self._budget = PendingBudget(self.limits.max_pending_requests)
+        self.budget = shared_budget(budget, self.limits.max_pending_requests)
+        """The sequences in flight, bounded by `limits.max_pending_requests` (shared with the REST gateway)."""
         self._credentials = server_credentials(tls_cert, tls_key)
         self._stopping = False
         self._health = health.HealthServicer()
@@ -303,7 +307,7 @@ class GrpcServer:
     @property
     def pending(self) -> int:
         """Sequences (prompts x n) admitted and not yet finished."""
-        return self._budget.pending
+        return self.budget.pending
 
     def start(self) -> int:
         """Bind and start serving; returns the port. Raises OSError if the port is taken."""
@@ -344,7 +348,7 @@ class GrpcServer:
         releases, so a client that goes away gives its place back."""
         self.limits.check_request_size(len(prompts), params.n, field)
         backend = self.backend()
-        release = self._budget.acquire(len(prompts) * params.n, "n" if params.n > 1 else field)
+        release = self.budget.acquire(len(prompts) * params.n, "n" if params.n > 1 else field)
         try:
             group = submit_group(backend, prompts, params, field)
         except BaseException:

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.responses import Response as HTTPResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fastgen.serving.admission import PendingBudget
 from fastgen.serving.http.gateway import Gateway
 from fastgen.serving.http.guard import ApiError, HttpGuard, Offload, public_routes
 from fastgen.serving.http.mii_routes import add_mii_routes
@@ -93,7 +94,7 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
                max_model_len: int | None = None, metrics: ServingMetrics | None = None,
                on_terminate: Callable[[], None] | None = None, max_pending_requests: int | None = None,
                limits: ServingLimits | None = None, strict_params: bool = False,
-               protect_metrics: bool = False) -> FastAPI:
+               protect_metrics: bool = False, budget: PendingBudget | None = None) -> FastAPI:
     """The gateway app over `backend` (an `EngineLoop` or anything with its `submit_async`).
 
     `model_name` is the id OpenAI clients send as `model`. `limits` holds the keys and bounds the
@@ -101,7 +102,8 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
     of one key) is required as a bearer token everywhere but the probes (`/health`, `/healthz`,
     `/ping`), `/version` and, unless `protect_metrics`, `/metrics`; bodies over
     `max_body_bytes` get 413; `max_pending_requests` (or the argument of that name) caps the
-    sequences (prompts x n) in flight, answering 429 beyond it. `max_model_len` (the engine's
+    sequences (prompts x n) in flight, answering 429 beyond it; `budget` is the deployment's admission
+    budget when a gRPC server shares it (default: the gateway's own). `max_model_len` (the engine's
     context) enables the checks that refuse prompts too long for it before they are tokenized,
     and `max_tokens` that cannot fit with its prompt. `metrics` (create it with the engine's
     `stats` so `/metrics` shows queue depth and KV usage) is shared with other servers of the
@@ -127,7 +129,7 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
     metrics.bind_model(model_name)
     public = public_routes(protect_metrics)
     offload = Offload()
-    gateway = Gateway(backend, tokenizer, metrics, limits, max_model_len, offload)
+    gateway = Gateway(backend, tokenizer, metrics, limits, max_model_len, offload, budget)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

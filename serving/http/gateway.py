@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -21,6 +21,7 @@ from fastapi import Request
 from fastgen.engine import Member, RequestFailed, RequestGroup, Sink, full_text_prefix, max_prompt_chars, merge_deltas
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
+from fastgen.serving.admission import Overloaded, PendingBudget, shared_budget
 from fastgen.serving.http.guard import ApiError, Offload
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.metrics import ServingMetrics
@@ -42,13 +43,14 @@ class Generation:
     """
 
     def __init__(self, gateway: Gateway, group: RequestGroup, num_sequences: int, started: float,
-                 prompt_token_ids: list[list[int] | None]) -> None:
+                 prompt_token_ids: list[list[int] | None], release: Callable[[], None]) -> None:
         self.num_sequences = num_sequences
         self.prompt_token_ids = prompt_token_ids
         """Per prompt, the token ids the engine was given (after `truncate_prompt_tokens`), where the
         gateway tokenized it (`Gateway.start(keep_ids=True)`); None where the engine tokenizes."""
         self._gateway = gateway
         self._group = group
+        self._release = release
         self._started = started
         self._first_token: dict[tuple[int, int], float] = {}
         self._last_token: dict[tuple[int, int], float] = {}
@@ -98,7 +100,7 @@ class Generation:
         if unfinished > 0:
             self._group.abort()
             self._gateway.metrics.count_finished("abort", unfinished)
-        self._gateway.release(self.num_sequences)
+        self._gateway.release(self._release, self.num_sequences)
 
 
 async def _merged(generation: Generation) -> list[Response]:
@@ -144,7 +146,7 @@ class Gateway:
     """Admission, preparation, submission and accounting between the HTTP routes and the backend."""
 
     def __init__(self, backend: Any, tokenizer: Any, metrics: ServingMetrics, limits: ServingLimits,
-                 max_model_len: int | None, offload: Offload) -> None:
+                 max_model_len: int | None, offload: Offload, budget: PendingBudget | None = None) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -153,7 +155,10 @@ class Gateway:
         self.offload = offload
         # The engine's own bound, so both refuse the same texts before tokenizing them.
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len) if max_model_len is not None else None
-        # Sequences (prompts x n) admitted and not finished; only the event loop touches it.
+        self.budget = shared_budget(budget, limits.max_pending_requests)
+        """Sequences in flight, bounded by `limits.max_pending_requests`; shared with the gRPC server of
+        the deployment, so the bound holds for both protocols together."""
+        # Sequences (prompts x n) this gateway admitted and not finished; only the event loop touches it.
         self.pending = 0
 
     async def start(self, prompts: list[Prompt], params: SamplingParams, prompt_param: str,
@@ -169,7 +174,7 @@ class Gateway:
         tokenizes text prompts without the tokenizer's BOS.
         """
         num_sequences = len(prompts) * params.n
-        self._admit(len(prompts), params.n, prompt_param)
+        release = self._admit(len(prompts), params.n, prompt_param)
         started = time.perf_counter()
         group = RequestGroup(params.n, asynchronous=True)
         kept: list[list[int] | None] = []
@@ -188,31 +193,28 @@ class Gateway:
                 group.set_prefixes(await self.offload.run(_full_text_prefixes, self.tokenizer, prompts, params))
         except BaseException as exc:
             group.abort()  # (a refused submission has aborted it already: aborting is idempotent)
-            self.release(num_sequences)
+            self.release(release, num_sequences)
             refusal = _refusal(exc, prompt_param)
             if refusal is exc:
                 raise
             raise refusal from None
-        return Generation(self, group, num_sequences, started, kept)
+        return Generation(self, group, num_sequences, started, kept, release)
 
-    def _admit(self, num_prompts: int, n: int, prompt_param: str) -> None:
+    def _admit(self, num_prompts: int, n: int, prompt_param: str) -> Callable[[], None]:
+        """Take the request's sequences from the shared budget (before any await, so requests
+        preparing concurrently cannot overshoot it); returns their release."""
+        num_sequences = num_prompts * n
         try:
             self.limits.check_request_size(num_prompts, n, prompt_param)
+            release = self.budget.acquire(num_sequences, "n" if n > 1 else prompt_param)
         except ValueError as exc:
             raise ApiError(400, str(exc), param=getattr(exc, "field", None)) from None
-        num_sequences = num_prompts * n
-        limit = self.limits.max_pending_requests
-        if limit is not None:
-            if num_sequences > limit:
-                raise ApiError(400, f"this request needs {num_sequences} sequences (prompts x n) but the server "
-                                    f"admits at most {limit} at a time", param="n" if n > 1 else prompt_param)
-            if self.pending + num_sequences > limit:
-                raise ApiError(429, f"server is at its limit of {limit} pending sequences "
-                                    f"({self.pending} in flight); retry later",
-                               code="too_many_pending_requests", headers={"Retry-After": "1"})
-        # Taken before any await, so requests preparing concurrently cannot overshoot the limit.
+        except Overloaded as exc:
+            raise ApiError(429, str(exc), code="too_many_pending_requests",
+                           headers={"Retry-After": str(max(1, -(-exc.retry_after_ms // 1000)))}) from None
         self.pending += num_sequences
         self.metrics.set_pending(self.pending)
+        return release
 
     async def _prepare(self, prompt: Prompt, params: SamplingParams, where: str, param: str,
                        max_tokens_param: str | None, need_ids: bool, add_special_tokens: bool) -> str | list[int]:
@@ -254,8 +256,10 @@ class Gateway:
                                 f"{max_tokens} in the completion). Please reduce the length of the {what} or "
                                 f"completion ({max_tokens_param}).", param=max_tokens_param)
 
-    def release(self, num_sequences: int) -> None:
-        """Give back admission slots (called by `Generation.close`)."""
+    def release(self, release: Callable[[], None], num_sequences: int) -> None:
+        """Give back a request's admission slots: `release` (from the budget) and its `num_sequences`
+        (called once, by `Generation.close` or a refused `start`)."""
+        release()
         self.pending -= num_sequences
         self.metrics.set_pending(self.pending)
 
