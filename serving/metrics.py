@@ -8,7 +8,8 @@ process (or one test after another) never share a metric.
 
 The same measurements are also exported under vLLM's names (`vllm:num_requests_running`,
 `vllm:time_to_first_token_seconds`, ... with a `model_name` label), so dashboards and autoscalers
-written for a vLLM server read this one unchanged.
+written for a vLLM server read this one unchanged, and so does the Gateway API inference extension,
+which routes by `vllm:num_requests_waiting`, `vllm:num_requests_running` and `vllm:kv_cache_usage_perc`.
 """
 
 from __future__ import annotations
@@ -77,11 +78,12 @@ class _EngineCollector:
         if total and free is not None:
             usage = 1.0 - float(free) / float(total)
             yield GaugeMetricFamily("fastgen_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use.", value=usage)
-            # vLLM's name says GPU; the fraction is the same on any device.
-            family = GaugeMetricFamily("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                                       labels=["model_name"])
-            family.add_metric(labels, usage)
-            yield family
+            # vLLM's current name (the Gateway API inference extension reads it) and its older one, which
+            # says GPU: the fraction is the same on any device.
+            for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+                family = GaugeMetricFamily(name, "KV-cache usage. 1 means 100 percent usage.", labels=["model_name"])
+                family.add_metric(labels, usage)
+                yield family
         if "num_steps" in stats and "step_seconds_total" in stats:
             yield SummaryMetricFamily("fastgen_engine_step_seconds", "Wall time of engine steps that ran the model.",
                                       count_value=int(stats["num_steps"]), sum_value=float(stats["step_seconds_total"]))

@@ -331,5 +331,6 @@ def test_vllm_metric_names_move_with_requests(served, client):
     for histogram, count in (("vllm:time_to_first_token_seconds", 1), ("vllm:inter_token_latency_seconds", 3),
                              ("vllm:time_per_output_token_seconds", 1), ("vllm:e2e_request_latency_seconds", 1)):
         assert moved(histogram + "_count") == count, histogram
-    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc"):
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                  "vllm:gpu_cache_usage_perc"):
         assert after[(gauge, label)] == 0.0  # idle: nothing running, waiting, or holding KV blocks
