@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = {"fastgen": "fastgen", "models": "fastgen.models", "ops": "fastgen.ops", "serving": "fastgen.serving"}
-DATA_TYPES = ("fastgen.config", "fastgen.sampling_params", "fastgen.outputs")
+DATA_TYPES = ("fastgen.config", "fastgen.sampling_params", "fastgen.structured_outputs", "fastgen.outputs")
 PUBLIC = ("fastgen", "fastgen.api", "fastgen.mii_options", "fastgen.engine", *DATA_TYPES)
 """What serving may import from fastgen: the top-level modules and the engine package's exports."""
 
@@ -23,7 +23,8 @@ ALLOWED = [
     ("fastgen.executor", ["fastgen.executor.", "fastgen.models.", "fastgen.ops."]),
     ("fastgen.engine", ["fastgen.engine.", "fastgen.executor.", "fastgen.planning.", "fastgen.models.",
                         "fastgen.ops.", *DATA_TYPES]),
-    ("fastgen.sampling_params", []),
+    ("fastgen.sampling_params", ["fastgen.structured_outputs"]),
+    ("fastgen.structured_outputs", []),
     ("fastgen.outputs", []),
     ("fastgen.config", ["fastgen.planning.", "fastgen.models."]),
     ("fastgen.mii_options", ["fastgen.config"]),

@@ -3,7 +3,8 @@
 One step's rows can each carry different `SamplingParams`. The host turns them into a few small
 tensors once per step (`SamplingMetadata.build`); `Sampler` then runs only tensor ops on the device,
 in Hugging Face `generate`'s order after OpenAI's logit bias and the token masks (allowed ids, banned
-ids): repetition penalty, presence/frequency penalties, temperature, top-k, top-p, min-p, sample.
+ids): repetition penalty, presence/frequency penalties, the structured-output grammar mask,
+temperature, top-k, top-p, min-p, sample.
 Sampling is an exponential race (`argmax(probs / Exponential(1))`), which draws exactly from `probs`
 without `torch.multinomial`'s sync. Greedy rows take the argmax of the penalised logits.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fastgen.engine.grammar.bitmask import apply_bitmask_
 from fastgen.engine.sampling_metadata import SamplingMetadata, same_device
 
 
@@ -107,8 +109,18 @@ class Sampler:
             scores.masked_fill_(~metadata.allowed_mask, float("-inf"))
         if metadata.banned is not None:
             scores.index_put_(metadata.banned, torch.tensor(float("-inf"), device=scores.device))
-        if not metadata.any_penalties:
-            return scores
+        if metadata.any_penalties:
+            scores = Sampler._apply_count_penalties(scores, metadata)
+        if metadata.grammar_bitmask is not None:
+            # After bias and penalties (which may lift a forbidden token: the grammar has the last word),
+            # before temperature and top-k/p: those then renormalise over the allowed tokens only, so
+            # top-p keeps a nucleus of allowed tokens instead of cutting to forbidden ones and leaving
+            # nothing, and the draw is exactly the model's distribution restricted to the grammar.
+            apply_bitmask_(scores, metadata.grammar_bitmask, metadata.grammar_rows)
+        return scores
+
+    @staticmethod
+    def _apply_count_penalties(scores: Tensor, metadata: SamplingMetadata) -> Tensor:
         counts = metadata.output_token_counts
         if metadata.repetition_penalty is not None:
             # Hugging Face: once per token seen in prompt or output, whatever the count.
@@ -155,7 +167,7 @@ def _edits_scores(metadata: SamplingMetadata) -> bool:
 
     It tests the same fields `_apply_penalties` acts on: an edit added there needs its field here."""
     return (metadata.any_penalties or metadata.logit_bias is not None or metadata.allowed_mask is not None
-            or metadata.banned is not None)
+            or metadata.banned is not None or metadata.grammar_bitmask is not None)
 
 
 def _first_argmax(scores: Tensor) -> Tensor:

@@ -136,17 +136,26 @@ class SamplingMetadata:
     min_p: Tensor | None = None
     """[S] fp32, 0 = off (also for greedy rows). None unless some sampled row uses min_p."""
 
+    grammar_bitmask: Tensor | None = None
+    """[S, ceil(V / 32)] int32 on the host, bit t of row r set where a structured-output grammar allows
+    token t (`fastgen.engine.grammar`); None when no row is constrained this step."""
+
+    grammar_rows: list[int] | None = None
+    """The rows of `grammar_bitmask` that are constrained (the others are all ones)."""
+
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], generators: list[torch.Generator | None],
               vocab_size: int, device: torch.device | str,
-              banned_token_ids: list[list[int]] | None = None) -> SamplingMetadata:
+              banned_token_ids: list[list[int]] | None = None, grammar_bitmask: Tensor | None = None,
+              grammar_rows: list[int] | None = None) -> SamplingMetadata:
         """Turn one step's per-row parameters and token histories into device tensors.
 
         `prompt_token_ids[i]`/`output_token_ids[i]` are row i's prompt and generated ids (read only
         for rows with penalties); `generators[i]` is row i's `make_generator(seed)` (None when
         unseeded; ignored for greedy rows); `banned_token_ids[i]` are ids row i must not generate
-        this step (bad words' next tokens, EOS before `min_new_tokens`). Host work only: the copies
+        this step (bad words' next tokens, EOS before `min_new_tokens`); `grammar_bitmask` and
+        `grammar_rows` are the structured-output mask (see the fields). Host work only: the copies
         to the device are asynchronous.
         """
         device = torch.device(device)
@@ -269,4 +278,5 @@ class SamplingMetadata:
             any_unseeded=any_unseeded, max_num_logprobs=max_num_logprobs,
             logit_bias=logit_bias, allowed_mask=allowed_mask, banned=banned,
             min_p=maybe(any(m > 0.0 for m in min_p), min_p, torch.float32),
+            grammar_bitmask=grammar_bitmask if grammar_rows else None, grammar_rows=grammar_rows or None,
         )
