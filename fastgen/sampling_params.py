@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,36 @@ def _check_range(name: str, value: float, low: float | None, high: float | None,
         raise FieldValueError(f"{name} must be in {left}{lo}, {hi}, got {value!r}", field or name)
 
 
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The range of a numeric sampling field (or of each item of a list field): [low, high], or
+    (low, high] with `low_open`; None = unbounded on that side."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+
+    def check(self, name: str, value: float, field: str | None = None) -> None:
+        """Raise a FieldValueError naming `field` (default `name`) when `value` is outside."""
+        _check_range(name, value, self.low, self.high, low_open=self.low_open, field=field)
+
+
+_CHECKS = {int: _check_int, float: _check_float, bool: lambda name, value, field=None: _check_bool(name, value)}
+
+
+def sampling_field(default: Any, kind: type | None = None, low: float | None = None, high: float | None = None, *,
+                   low_open: bool = False, items: Bounds | None = None, none_is_default: bool = False) -> Any:
+    """Declare a sampling field's contract once: its `kind` (int, float or bool, checked strictly: no
+    bools as numbers, whole floats as ints), its range (`low`..`high`, `low_open`), the range of
+    each item of a list or dict field (`items`), and whether None on input means the default
+    (`none_is_default`, MII's convention for temperature and top_k; a field whose default is None
+    keeps None). `SamplingParams`' own checks, the REST request models with their OpenAPI schema,
+    and gRPC (which builds SamplingParams) all derive from these."""
+    bounds = Bounds(low, high, low_open) if low is not None or high is not None else None
+    return dataclasses.field(default=default, metadata={"kind": kind, "bounds": bounds, "items": items,
+                                                        "none_is_default": none_is_default})
+
+
 def _check_sequence(name: str, value: Any, what: str) -> tuple:
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         raise FieldTypeError(f"{name} must be a list of {what}, got {type(value).__name__} ({value!r})", name)
@@ -118,33 +149,33 @@ class SamplingParams:
     `dataclasses.replace`, which is.
     """
 
-    max_length: int | None = None
+    max_length: int | None = sampling_field(None, int, 1)
     """Cap on prompt + generated tokens; None = the model's maximum length. The engine rejects a
     prompt whose length is >= max_length."""
 
-    max_new_tokens: int | None = None
+    max_new_tokens: int | None = sampling_field(None, int, 1)
     """Cap on generated tokens (>= 1); None = whatever `max_length` leaves after the prompt."""
 
-    min_new_tokens: int = 0
+    min_new_tokens: int = sampling_field(0, int, 0)
     """EOS and stop token ids are suppressed until this many tokens are generated (generated
     tokens only, unlike MII which compared it with prompt + generated length)."""
 
-    ignore_eos: bool = False
+    ignore_eos: bool = sampling_field(False, bool)
     """Keep generating past the EOS token. Affects EOS only: `stop` and `stop_token_ids` still
     apply (MII disabled `stop` too)."""
 
-    do_sample: bool = True
+    do_sample: bool = sampling_field(True, bool)
     """Sample from the processed distribution; False = greedy (argmax of the penalised logits)."""
 
-    temperature: float = 1.0
+    temperature: float = sampling_field(1.0, float, 0.0, none_is_default=True)
     """Logits are divided by this before top-k/top-p (Hugging Face's order). 0 = greedy, as in
     OpenAI and vLLM. None on input means 1.0 (MII's default)."""
 
-    top_k: int = 0
+    top_k: int = sampling_field(0, int, 0, none_is_default=True)
     """Keep only the k most likely tokens (ties with the k-th kept, as Hugging Face does);
     0 = off. None on input means 0 (MII's default)."""
 
-    top_p: float = 0.9
+    top_p: float = sampling_field(0.9, float, 0.0, 1.0, low_open=True)
     """Nucleus sampling: keep the smallest set of most likely tokens whose probability reaches
     top_p (at least one token is kept); 1.0 = off. 0.9 is MII's default."""
 
@@ -152,50 +183,50 @@ class SamplingParams:
     """Stop strings, matched on the detokenized text; the output is cut before the stop string and
     EOS still stops generation. A str or a list/tuple of non-empty str on input."""
 
-    return_full_text: bool = False
+    return_full_text: bool = sampling_field(False, bool)
     """Prefix the prompt text to `generated_text` in the response."""
 
-    seed: int | None = None
+    seed: int | None = sampling_field(None, int, 0, MAX_SEED)
     """Seed of this request's own random generator, so its samples do not depend on what else is
     batched with it; None = the engine's shared generator."""
 
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = sampling_field((), items=Bounds(0))
     """Token ids that stop generation (the token is kept in the output ids), besides EOS."""
 
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = sampling_field(1.0, float, 0.0, low_open=True)
     """Hugging Face's repetition penalty (> 0) over prompt and generated tokens: a seen token's
     positive logit is divided by it, a negative one multiplied; 1.0 = off."""
 
-    presence_penalty: float = 0.0
+    presence_penalty: float = sampling_field(0.0, float, -2.0, 2.0)
     """OpenAI's presence penalty in [-2, 2]: subtracted once from the logit of every token already
     generated (prompt tokens do not count)."""
 
-    frequency_penalty: float = 0.0
+    frequency_penalty: float = sampling_field(0.0, float, -2.0, 2.0)
     """OpenAI's frequency penalty in [-2, 2]: subtracted from a token's logit once per time it has
     been generated (prompt tokens do not count)."""
 
-    logprobs: int | None = None
+    logprobs: int | None = sampling_field(None, int, 0, MAX_LOGPROBS)
     """None = no logprobs; 0 = the chosen token's logprob; N (<= 20) = also the top-N tokens'.
     Logprobs are of the raw model distribution (before penalties and temperature)."""
 
-    n: int = 1
+    n: int = sampling_field(1, int, 1, MAX_N)
     """Number of completions to generate for the prompt (1..64)."""
 
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = sampling_field(None, int, 0, MAX_LOGPROBS)
     """None = none; N (<= 20) = the logprob of every prompt token after the first under the model,
     plus the top-N tokens at each position (vLLM's `prompt_logprobs`; what OpenAI `echo` with
     `logprobs` returns). Computed in the steps that prefill the prompt; such a request does not use
     the prefix cache, since cached tokens have no logits."""
 
-    min_p: float = 0.0
+    min_p: float = sampling_field(0.0, float, 0.0, 1.0)
     """Drop tokens whose probability is below min_p times the most likely token's (after
     temperature, top-k and top-p, Hugging Face's order); 0 = off."""
 
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, float] | None = sampling_field(None, items=Bounds(-100.0, 100.0))
     """Token id -> bias in [-100, 100] added to its logit before anything else (OpenAI's
     `logit_bias`; keys may be digit strings, as JSON sends them). Greedy rows see it too."""
 
-    allowed_token_ids: tuple[int, ...] | None = None
+    allowed_token_ids: tuple[int, ...] | None = sampling_field(None, items=Bounds(0))
     """Only these token ids may be generated (a non-empty list); None = all."""
 
     bad_words: tuple[str, ...] = ()
@@ -203,100 +234,50 @@ class SamplingParams:
     banned as a sequence, i.e. a word's last token is banned whenever its other tokens were just
     generated (vLLM's `bad_words`)."""
 
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = sampling_field(True, bool)
     """Leave special tokens (EOS, chat markers) out of the generated text."""
 
-    spaces_between_special_tokens: bool = True
+    spaces_between_special_tokens: bool = sampling_field(True, bool)
     """Join special tokens with spaces when they are kept in the text. The tokenizers fastgen loads
     are fast tokenizers, whose decoding has no such option: both values give the tokenizer's own
     text (as in vLLM with a fast tokenizer)."""
 
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool = sampling_field(False, bool)
     """Keep the matched stop string at the end of the text instead of cutting it off."""
 
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: int | None = sampling_field(None, int, 1)
     """Keep only the last k prompt tokens (>= 1); None = the whole prompt."""
 
-    priority: int = 0
+    priority: int = sampling_field(0, int, -2**31, 2**31 - 1)
     """Scheduling priority: lower values are admitted first and preempted last; equal values are
     first come, first served."""
 
     def __post_init__(self) -> None:
-        if self.max_length is not None:
-            self.max_length = _check_int("max_length", self.max_length)
-            _check_range("max_length", self.max_length, 1, None)
-        if self.max_new_tokens is not None:
-            self.max_new_tokens = _check_int("max_new_tokens", self.max_new_tokens)
-            _check_range("max_new_tokens", self.max_new_tokens, 1, None)
-        self.min_new_tokens = _check_int("min_new_tokens", self.min_new_tokens)
-        _check_range("min_new_tokens", self.min_new_tokens, 0, None)
+        for f in dataclasses.fields(self):
+            kind = f.metadata.get("kind")
+            if kind is None:
+                continue
+            value = getattr(self, f.name)
+            if value is None and (f.default is None or f.metadata["none_is_default"]):
+                setattr(self, f.name, f.default)
+                continue
+            value = _CHECKS[kind](f.name, value)
+            if f.metadata["bounds"] is not None:
+                f.metadata["bounds"].check(f.name, value)
+            setattr(self, f.name, value)
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
                              f"({self.max_new_tokens})")
         if self.max_length is not None and self.min_new_tokens >= self.max_length:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be < max_length "
                              f"({self.max_length}), which also counts the prompt")
-
-        self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
-        self.do_sample = _check_bool("do_sample", self.do_sample)
-        self.return_full_text = _check_bool("return_full_text", self.return_full_text)
-
-        self.temperature = 1.0 if self.temperature is None else _check_float(
-            "temperature", self.temperature)
-        _check_range("temperature", self.temperature, 0.0, None)
-        self.top_k = 0 if self.top_k is None else _check_int("top_k", self.top_k)
-        _check_range("top_k", self.top_k, 0, None)
-        self.top_p = _check_float("top_p", self.top_p)
-        _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-
-        self.stop = self._normalise_stop(self.stop)
-        if self.seed is not None:
-            self.seed = _check_int("seed", self.seed)
-            _check_range("seed", self.seed, 0, MAX_SEED)
-        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
-
-        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
-        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty)
-        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty)
-        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-
-        if self.logprobs is not None:
-            self.logprobs = _check_int("logprobs", self.logprobs)
-            _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        self.n = _check_int("n", self.n)
-        _check_range("n", self.n, 1, MAX_N)
-
-        if self.prompt_logprobs is not None:
-            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs)
-            _check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
-        self.min_p = _check_float("min_p", self.min_p)
-        _check_range("min_p", self.min_p, 0.0, 1.0)
+        self.stop = self._normalise_words("stop", self.stop)
+        self.stop_token_ids = self._normalise_token_ids("stop_token_ids", self.stop_token_ids) or ()
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
-        if self.allowed_token_ids is not None:
-            items = _check_sequence("allowed_token_ids", self.allowed_token_ids, "int")
-            if not items:
-                raise FieldValueError("allowed_token_ids must not be empty (None allows every token)",
-                                      "allowed_token_ids")
-            checked = []
-            for i, item in enumerate(items):
-                token_id = _check_int(f"allowed_token_ids[{i}]", item, "allowed_token_ids")
-                _check_range(f"allowed_token_ids[{i}]", token_id, 0, None, field="allowed_token_ids")
-                checked.append(token_id)
-            self.allowed_token_ids = tuple(checked)
+        self.allowed_token_ids = self._normalise_token_ids("allowed_token_ids", self.allowed_token_ids)
+        if self.allowed_token_ids == ():
+            raise FieldValueError("allowed_token_ids must not be empty (None allows every token)", "allowed_token_ids")
         self.bad_words = self._normalise_words("bad_words", self.bad_words)
-        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
-            setattr(self, name, _check_bool(name, getattr(self, name)))
-        if self.truncate_prompt_tokens is not None:
-            self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
-            _check_range("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None)
-        self.priority = _check_int("priority", self.priority)
-        _check_range("priority", self.priority, -2**31, 2**31 - 1)
-
-    @staticmethod
-    def _normalise_stop(stop: Any) -> tuple[str, ...]:
-        return SamplingParams._normalise_words("stop", stop)
 
     @staticmethod
     def _normalise_words(name: str, words: Any) -> tuple[str, ...]:
@@ -324,19 +305,20 @@ class SamplingParams:
             token_id = _check_int(f"logit_bias key {key!r}", key, "logit_bias")
             _check_range("logit_bias token id", token_id, 0, None, field="logit_bias")
             value = _check_float(f"logit_bias[{token_id}]", value, "logit_bias")
-            _check_range(f"logit_bias[{token_id}]", value, -100.0, 100.0, field="logit_bias")
+            field_bounds("logit_bias", items=True).check(f"logit_bias[{token_id}]", value, field="logit_bias")
             out[token_id] = value
         return out or None
 
     @staticmethod
-    def _normalise_stop_token_ids(ids: Any) -> tuple[int, ...]:
+    def _normalise_token_ids(name: str, ids: Any) -> tuple[int, ...] | None:
         if ids is None:
-            return ()
-        items = _check_sequence("stop_token_ids", ids, "int")
+            return None
+        items = _check_sequence(name, ids, "int")
+        bounds = field_bounds(name, items=True)
         checked = []
         for i, item in enumerate(items):
-            token_id = _check_int(f"stop_token_ids[{i}]", item, "stop_token_ids")
-            _check_range(f"stop_token_ids[{i}]", token_id, 0, None, field="stop_token_ids")
+            token_id = _check_int(f"{name}[{i}]", item, name)
+            bounds.check(f"{name}[{i}]", token_id, field=name)
             checked.append(token_id)
         return tuple(checked)
 
@@ -364,3 +346,16 @@ class SamplingParams:
                 shown = key[:80]
                 raise FieldTypeError(f"unknown generation parameter {shown!r} (supported: {', '.join(names)})", shown)
         return cls(**kwargs)
+
+
+def field_bounds(name: str, items: bool = False) -> Bounds | None:
+    """The declared range of sampling field `name` (of each of its items with `items`); None when unbounded."""
+    return _FIELDS[name].metadata.get("items" if items else "bounds")
+
+
+def field_kind(name: str) -> type | None:
+    """The declared scalar kind of sampling field `name` (int, float or bool); None for the others."""
+    return _FIELDS[name].metadata.get("kind")
+
+
+_FIELDS = types.MappingProxyType({f.name: f for f in dataclasses.fields(SamplingParams)})

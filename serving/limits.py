@@ -11,7 +11,7 @@ import hmac
 import os
 from collections.abc import Iterable, Sequence
 
-from fastgen.sampling_params import FieldValueError
+from fastgen.sampling_params import MAX_N, FieldValueError
 
 API_KEY_ENV = "FASTGEN_API_KEY"
 """Environment variable holding the API key(s) (comma-separated) when no key is given explicitly."""
@@ -22,8 +22,8 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 """Most prompts one request may carry by default."""
 
-DEFAULT_MAX_N = 64
-"""Most completions (`n`) one prompt may ask for by default."""
+DEFAULT_MAX_N = MAX_N
+"""Most completions (`n`) one prompt may ask for by default: all that `SamplingParams` allows."""
 
 
 def api_keys_from_env(explicit: str | Sequence[str] | None = None) -> tuple[str, ...]:
