@@ -14,12 +14,57 @@ from typing import Any, Protocol
 import fastgen
 from fastgen.engine import EngineLoop, Member, RequestGroup, Sink, full_text_prefix
 from fastgen.sampling_params import SamplingParams
-from fastgen.serving.grpc.convert import Prompt
-from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
+
+Prompt = str | list[int]
+"""One engine request's prompt: text or token ids."""
 
 
 class BackendUnavailable(RuntimeError):
     """The backend cannot take or finish a request now (loading, shut down, replica gone)."""
+
+
+@dataclasses.dataclass
+class ReplicaInfo:
+    """One replica behind the replica router, as `ModelInfo` lists it."""
+
+    index: int
+    address: str
+    healthy: bool
+    in_flight: int
+    num_requests: int
+    pid: int
+    status: str
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    """What a backend serves: the model, the engine's plan and configuration, and its replicas (each
+    protocol renders it its own way: gRPC's `ModelInfoResponse`)."""
+
+    deployment_name: str
+    model_dir: str
+    model_type: str
+    max_length: int
+    """Longest prompt + output a request may have."""
+    vocab_size: int
+    dtype: str
+    device: str
+    block_size: int
+    num_kv_blocks: int
+    token_budget: int
+    max_seqs: int
+    enable_prefix_caching: bool
+    engine_config: dict[str, str]
+    """Every EngineConfig field, as text."""
+    plan: dict[str, str]
+    """The policy's plan: field -> value."""
+    plan_reasons: dict[str, str]
+    """Field -> why the plan has that value."""
+    version: str
+    in_flight: int
+    """Requests being generated now."""
+    replicas: list[ReplicaInfo] = dataclasses.field(default_factory=list)
+    """Empty for a single engine; one entry per replica behind the router."""
 
 
 class Backend(Protocol):
@@ -33,7 +78,7 @@ class Backend(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
-    def model_info(self) -> pb.ModelInfoResponse: ...
+    def model_info(self) -> ModelInfo: ...
 
     def close(self) -> None: ...
 
@@ -50,12 +95,12 @@ class LocalBackend:
         self.submit_async = loop.submit_async
         self.abort = loop.abort
 
-    def model_info(self) -> pb.ModelInfoResponse:
+    def model_info(self) -> ModelInfo:
         """The served model, the engine's plan and its configuration."""
         engine = self.engine
         plan = engine.plan
         config = engine.config
-        return pb.ModelInfoResponse(
+        return ModelInfo(
             deployment_name=self.deployment_name, model_dir=str(engine.model_dir),
             model_type=engine.model_config.model_type, max_length=engine.max_model_len,
             vocab_size=engine.vocab_size, dtype=_text(engine.dtype), device=str(engine.device),

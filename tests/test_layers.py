@@ -39,6 +39,7 @@ ALLOWED = [
     ("fastgen.serving.limits", [*PUBLIC]),
     ("fastgen.serving.metrics", [*PUBLIC]),
     ("fastgen.serving.admission", [*PUBLIC]),
+    ("fastgen.serving.backend", [*PUBLIC]),
     ("fastgen.serving.grpc", ["fastgen.serving.limits", "fastgen.serving.admission", "fastgen.serving.backend",
                               *PUBLIC]),
     ("fastgen.serving.http", ["fastgen.serving.limits", "fastgen.serving.admission", "fastgen.serving.metrics",

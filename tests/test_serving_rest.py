@@ -408,7 +408,8 @@ def test_terminate_refuses_what_a_browser_sends_cross_site(served, key):
             for headers in ({}, {"Authorization": "Bearer wrong"}):  # the key stays required, same-origin or not
                 assert http.get("/terminate", headers={**headers, "Sec-Fetch-Site": "same-origin"}).status_code == 401
             assert stops == []
-        for headers in ({}, {"Sec-Fetch-Site": "none"}, {"Sec-Fetch-Site": "same-origin", "Origin": "http://testserver"}):
+        for headers in ({}, {"Sec-Fetch-Site": "none"},
+                        {"Sec-Fetch-Site": "same-origin", "Origin": "http://testserver"}):
             resp = http.get("/terminate", headers={**auth, **headers})
             assert resp.status_code == 200 and resp.text == f"terminating deployment {DEPLOYMENT}", headers
     assert len(stops) == 3

@@ -31,8 +31,9 @@ from fastgen.api import normalise_prompts
 from fastgen.engine import END, Sink
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
-from fastgen.serving.backend import BackendUnavailable
-from fastgen.serving.grpc.convert import params_to_proto, prompts_to_proto, response_from_completion
+from fastgen.serving.backend import BackendUnavailable, ModelInfo, ReplicaInfo
+from fastgen.serving.grpc.convert import (model_info_from_proto, params_to_proto, prompts_to_proto,
+                                          response_from_completion)
 from fastgen.serving.grpc.guard import auth_metadata
 from fastgen.serving.grpc.server import CHANNEL_OPTIONS, MII_SERVICE, REQUEST_IDS_KEY, TYPED_SERVICE, rejection
 from fastgen.serving.limits import API_KEY_ENV
@@ -224,21 +225,21 @@ class ReplicaRouter:
         if stream is not None:
             stream.abort()
 
-    def model_info(self) -> pb.ModelInfoResponse:
+    def model_info(self) -> ModelInfo:
         """A healthy replica's model summary, with every replica's state."""
         for replica in [r for r in self.replicas if r.healthy]:
             try:
-                info = replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5, metadata=replica.metadata)
+                info = model_info_from_proto(
+                    replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5, metadata=replica.metadata))
                 break
             except grpc.RpcError:
                 self.mark_down(replica, "UNREACHABLE")
         else:
             raise BackendUnavailable("no healthy replica is left")
         with self._lock:
-            info.ClearField("replicas")
-            for r in self.replicas:
-                info.replicas.add(index=r.index, address=r.address, healthy=r.healthy, in_flight=r.in_flight,
-                                  num_requests=r.num_requests, pid=r.pid, status=r.status)
+            info.replicas = [ReplicaInfo(index=r.index, address=r.address, healthy=r.healthy, in_flight=r.in_flight,
+                                         num_requests=r.num_requests, pid=r.pid, status=r.status)
+                             for r in self.replicas]
             info.in_flight = sum(r.in_flight for r in self.replicas)
         return info
 

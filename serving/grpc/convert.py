@@ -6,6 +6,7 @@ definition of what a field means.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -13,10 +14,10 @@ from typing import Any
 from fastgen.api import normalise_prompts
 from fastgen.outputs import Response
 from fastgen.sampling_params import FieldValueError, SamplingParams
+from fastgen.serving.backend import ModelInfo, Prompt, ReplicaInfo
 from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.grpc.proto import modelresponse_pb2 as mii_pb
 
-Prompt = str | list[int]
 
 
 def prompts_to_proto(prompts: Sequence[Prompt]) -> list[pb.Prompt]:
@@ -143,3 +144,19 @@ def value_to_mii(value: Any) -> mii_pb.Value:
     if isinstance(value, dict):
         return mii_pb.Value(mvalue=mii_pb.Dictionary(values={k: value_to_mii(v) for k, v in value.items()}))
     raise TypeError(f"MII's Value cannot carry a {type(value).__name__} ({value!r})")
+
+
+def model_info_to_proto(info: ModelInfo) -> pb.ModelInfoResponse:
+    """`info` as the typed service's `ModelInfoResponse`."""
+    fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info) if f.name != "replicas"}
+    return pb.ModelInfoResponse(**fields, replicas=[pb.ReplicaInfo(**dataclasses.asdict(r)) for r in info.replicas])
+
+
+def model_info_from_proto(message: pb.ModelInfoResponse) -> ModelInfo:
+    """A replica's `ModelInfoResponse` (read by the replica router) as a `ModelInfo`."""
+    fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(ModelInfo) if f.name != "replicas"}
+    for name in ("engine_config", "plan", "plan_reasons"):
+        fields[name] = dict(fields[name])
+    replicas = [ReplicaInfo(**{f.name: getattr(r, f.name) for f in dataclasses.fields(ReplicaInfo)})
+                for r in message.replicas]
+    return ModelInfo(**fields, replicas=replicas)

@@ -1,7 +1,8 @@
 """What a gRPC call passes before it runs, and how our clients open channels.
 
 The server side: `ApiKeyInterceptor` (a bearer key on every method but health and reflection)
-and TLS credentials from PEM files (the pending budget, shared with REST, is `serving.admission`). The client side (our clients and the replica router):
+and TLS credentials from PEM files (the pending budget, shared with REST, is `serving.admission`).
+The client side (our clients and the replica router):
 `open_channel` (plain or TLS) and `auth_metadata` (the key as call metadata).
 """
 

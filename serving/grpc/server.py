@@ -17,6 +17,7 @@ the request mid-stream) is INTERNAL, never INVALID_ARGUMENT. The server keeps se
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -34,7 +35,8 @@ from fastgen.engine import RequestGroup, TensorParallelError
 from fastgen.outputs import Response
 from fastgen.sampling_params import FieldTypeError, FieldValueError, SamplingParams
 from fastgen.serving.backend import Backend, BackendUnavailable, submit_group
-from fastgen.serving.grpc.convert import completion_from_response, kwargs_from_mii, params_from_proto, prompts_from_proto
+from fastgen.serving.grpc.convert import (completion_from_response, kwargs_from_mii, model_info_to_proto,
+                                          params_from_proto, prompts_from_proto)
 from fastgen.serving.admission import Overloaded, PendingBudget, shared_budget
 from fastgen.serving.grpc.guard import RETRY_AFTER_KEY, ApiKeyInterceptor, server_credentials
 from fastgen.serving.limits import ServingLimits
@@ -152,8 +154,7 @@ class FastGenServicer(pb_grpc.FastGenServicer):
             info = self._server.backend().model_info()
         except Exception as exc:
             _fail(self._server, context, exc)
-        info.deployment_name = self._server.deployment_name
-        return info
+        return model_info_to_proto(dataclasses.replace(info, deployment_name=self._server.deployment_name))
 
     def Terminate(self, request: pb.TerminateRequest, context: grpc.ServicerContext) -> pb.TerminateResponse:
         """Stop the deployment."""

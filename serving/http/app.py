@@ -31,7 +31,8 @@ from fastgen.serving.http.mii_routes import add_mii_routes
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.metrics import ServingMetrics
 from fastgen.serving.http.openai_routes import add_openai_routes
-from fastgen.serving.http.openapi_schema import install_openapi
+from fastgen.serving.http.openapi import install_openapi
+from fastgen.serving.http.request_models import RequestModels
 from fastgen.serving.http.utility_routes import add_utility_routes
 
 logger = logging.getLogger("fastgen")
@@ -157,9 +158,10 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
     for path, endpoint in (("/healthz", healthz), ("/health", health)):
         router.add_api_route(path, endpoint, methods=["GET"])
         router.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
-    add_openai_routes(router, gateway, model_name, max_model_len, strict_params)
-    add_utility_routes(router, gateway, model_name, max_model_len, strict_params)
-    add_mii_routes(router, gateway, deployment_name, on_terminate)
+    models = RequestModels.build(model_name, limits, gateway.max_prompt_chars, strict_params)
+    add_openai_routes(router, gateway, model_name, max_model_len, models)
+    add_utility_routes(router, gateway, model_name, max_model_len, models)
+    add_mii_routes(router, gateway, deployment_name, models, on_terminate)
 
     @router.get("/metrics")
     async def prometheus_metrics() -> HTTPResponse:
@@ -167,9 +169,7 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
         return HTTPResponse(content, media_type=content_type)
 
     app.include_router(router)
-    install_openapi(app, model_name=model_name, deployment_name=deployment_name, limits=limits,
-                    max_model_len=max_model_len, max_prompt_chars=gateway.max_prompt_chars,
-                    public_paths=frozenset(public), strict_params=strict_params)
+    install_openapi(app, models, deployment_name=deployment_name, limits=limits, public_paths=frozenset(public))
     return app
 
 

@@ -79,36 +79,24 @@ def chat_conversation(messages: Any) -> list[dict[str, str]]:
     return conversation
 
 
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be a boolean, got {type(value).__name__}", param=name)
-    return value
-
-
-def chat_prompt(body: Mapping[str, Any]) -> ChatPrompt:
-    """The conversation and template options of a chat body (`/v1/chat/completions`, `/tokenize`)."""
-    if body.get("messages") is None:
+def chat_prompt(request: Any) -> ChatPrompt:
+    """The conversation and template options of a validated chat body (`/v1/chat/completions`,
+    `/tokenize`): a request model whose flags are already checked (`request_models`)."""
+    if request.messages is None:
         raise ApiError(400, "messages is required", param="messages")
-    conversation = chat_conversation(body["messages"])
-    add_generation_prompt = _flag(body, "add_generation_prompt", True)
-    continue_final = _flag(body, "continue_final_message", False)
+    conversation = chat_conversation(request.messages)
+    add_generation_prompt = request.add_generation_prompt is not False
+    continue_final = bool(request.continue_final_message)
     if continue_final and add_generation_prompt:
         raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true: set "
                             "add_generation_prompt to false to continue the final message", param="continue_final_message")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        kwargs = {}
-    if not isinstance(kwargs, dict):
-        raise ApiError(400, "chat_template_kwargs must be an object of template variables", param="chat_template_kwargs")
+    kwargs = request.chat_template_kwargs or {}
     reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
     if reserved:
         raise ApiError(400, f"chat_template_kwargs may not set {reserved[0]!r} (a top-level field or set by the "
                             "server)", param="chat_template_kwargs")
     return ChatPrompt(conversation, add_generation_prompt, continue_final, dict(kwargs),
-                      _flag(body, "add_special_tokens", False))
+                      bool(request.add_special_tokens))
 
 
 def render_chat_text(tokenizer: Any, chat: ChatPrompt) -> str:

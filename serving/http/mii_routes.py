@@ -21,6 +21,7 @@ from starlette.background import BackgroundTask
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.http.guard import ApiError, read_json_object
 from fastgen.serving.http.openai_params import prompts_param, sampling_params
+from fastgen.serving.http.request_models import RequestModels, validate
 
 if TYPE_CHECKING:
     from fastgen.serving.http.gateway import Gateway
@@ -30,19 +31,20 @@ __all__ = ["add_mii_routes", "cross_site_refusal"]
 _CROSS_SITE = frozenset({"cross-site", "same-site"})
 
 
-def _parse_mii(body: dict[str, Any]) -> tuple[list[str | list[int]], SamplingParams]:
-    """Validate a `/mii/{deployment}` body: MII's `prompts` and generation kwargs by name.
+def _parse_mii(body: dict[str, Any], models: RequestModels) -> tuple[list[str | list[int]], SamplingParams]:
+    """Validate a `/mii/{deployment}` body (as `models.mii`): MII's `prompts` and generation kwargs by name.
 
     MII's gateway passed the body to its client's `generate(**body)`, so `stream` (a bool) is
     accepted as MII's unary call accepted it; the answer is the full completions either way.
     """
-    if body.get("prompts") is None:
+    request = validate(models.mii, body)
+    if request.prompts is None:
         raise ApiError(400, 'prompts is required: {"prompts": "..." or ["...", ...], <generation kwargs>}',
                        param="prompts")
-    prompts = prompts_param(body.pop("prompts"), "prompts", flat_ids=False)
-    if not isinstance(body.pop("stream", False), bool):
-        raise ApiError(400, "stream must be a bool (true or false)", param="stream")
-    return prompts, sampling_params(body)
+    prompts = prompts_param(request.prompts, "prompts", flat_ids=False)
+    # What the body set, null included: None means MII's default for temperature and top_k.
+    names = request.model_fields_set - {"prompts", "stream"}
+    return prompts, sampling_params({name: getattr(request, name) for name in names})
 
 
 def cross_site_refusal(request: Request) -> ApiError | None:
@@ -63,16 +65,17 @@ def cross_site_refusal(request: Request) -> ApiError | None:
     return None
 
 
-def add_mii_routes(router: APIRouter, gateway: Gateway, deployment_name: str,
+def add_mii_routes(router: APIRouter, gateway: Gateway, deployment_name: str, models: RequestModels,
                    on_terminate: Callable[[], None] | None) -> None:
-    """Add `POST /mii/{deployment_name}` and `GET /terminate` (which calls `on_terminate` after answering)."""
+    """Add `POST /mii/{deployment_name}` (bodies validated as `models.mii`) and `GET /terminate` (which
+    calls `on_terminate` after answering)."""
 
     @router.post("/mii/{name}")
     async def mii_generate(name: str, request: Request) -> JSONResponse:
         if name != deployment_name:
             raise ApiError(404, f"deployment {name[:100]!r} is not served here (this server serves "
                                 f"{deployment_name!r})", code="deployment_not_found")
-        prompts, params = await read_json_object(request, gateway.offload, _parse_mii)
+        prompts, params = await read_json_object(request, gateway.offload, lambda body: _parse_mii(body, models))
         results = await gateway.collect(request, await gateway.start(prompts, params, "prompts"))
         return JSONResponse([r.to_msg_dict() for r in results])
 

@@ -1,16 +1,12 @@
-"""Validation of OpenAI request bodies: `/v1/completions` and `/v1/chat/completions` -> prompts and params.
+"""OpenAI request bodies, validated: `/v1/completions` and `/v1/chat/completions` -> prompts and params.
 
-Bodies are parsed by hand rather than by pydantic models so that every bad field gets an
-OpenAI-shaped 400 naming that field, with the engine's own validation message where the names
-agree. Defaults are OpenAI's, not MII's: temperature 1, top_p 1 (MII samples with top_p 0.9),
-`max_tokens` 16 for completions and "up to the context" for chat; temperature 0 is greedy.
-
-The fields are OpenAI's plus vLLM's extra parameters. A field this server does not know is, as in
-vLLM, accepted and ignored (named in `Parsed.ignored`, which the route logs and returns in an
-`X-Ignored-Fields` header), or refused with a 400 in strict mode. A known feature this server does
-not have (tools, guided decoding, beam search, ...) is accepted only at its "off" value, since
-ignoring it would silently return something else than what was asked for.
-Nothing here calls the tokenizer: rendering a chat (`openai_chat.render_chat`) runs on a worker thread.
+Each body is first validated as its pydantic model (`request_models`: types, bounds, unknown and
+unsupported fields, a 400 naming the field); what is left here are the rules between fields and
+OpenAI's defaults, which are not MII's: temperature 1, top_p 1 (MII samples with top_p 0.9),
+`max_tokens` 16 for completions and "up to the context" for chat; temperature 0 is greedy. A field
+this server does not know is, as in vLLM, accepted and ignored (named in `Parsed.ignored`, which the
+route logs and returns in an `X-Ignored-Fields` header), or refused with a 400 in strict mode.
+Nothing here calls the tokenizer: rendering a chat (`chat.render_chat`) runs on a worker thread.
 """
 
 from __future__ import annotations
@@ -21,43 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fastgen.api import normalise_prompts
-from fastgen.sampling_params import MAX_LOGPROBS, FieldError, SamplingParams
-from fastgen.serving.http.guard import ApiError
-from fastgen.serving.http.chat import ChatPrompt, chat_prompt
+from pydantic import BaseModel
 
-# Body fields passed to SamplingParams under the same name.
-_SAMPLING_FIELDS = ("n", "stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
-                    "repetition_penalty", "ignore_eos", "stop_token_ids", "min_p", "logit_bias", "bad_words",
-                    "allowed_token_ids", "skip_special_tokens", "spaces_between_special_tokens",
-                    "include_stop_str_in_output", "priority")
-# field -> (values besides null that mean "off", what this server lacks)
-_OFF_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False,), "no beam search"),
-    "response_format": (({"type": "text"},), "only plain text responses"),
-    "guided_json": ((), "no guided decoding"), "guided_regex": ((), "no guided decoding"),
-    "guided_choice": ((), "no guided decoding"), "guided_grammar": ((), "no guided decoding"),
-    "structured_outputs": ((), "no structured outputs"), "logits_processors": (([],), "no custom logits processors"),
-    "prompt_embeds": ((), "prompts are text or token ids"),
-    "logprob_token_ids": ((), "logprobs are of the top tokens (logprobs / top_logprobs)"),
-}
-_COMPLETION_OFF_ONLY = {"suffix": (("",), "no insertion (fill-in-the-middle) support")}
-_CHAT_OFF_ONLY = {
-    "tools": (([],), "no tool calling"), "functions": (([],), "no function calling"),
-    "function_call": (("none", "auto"), "no function calling"), "tool_choice": (("none", "auto"), "no tool calling"),
-    "chat_template": ((), "the checkpoint's own chat template is used (a request's template is not trusted)"),
-}
-_COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "min_tokens", "user", "logprobs", "echo",
-                            "prompt_logprobs", "truncate_prompt_tokens", "request_id", "return_tokens_as_token_ids",
-                            "add_special_tokens", *_SAMPLING_FIELDS, *_OFF_ONLY})
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", *_COMPLETION_OFF_ONLY}
-"""Every field `/v1/completions` knows (some only at their "off" value)."""
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "parallel_tool_calls", "store",
-                                "metadata", "service_tier", "add_generation_prompt", "continue_final_message",
-                                "chat_template_kwargs", *_CHAT_OFF_ONLY}
-"""Every field `/v1/chat/completions` knows (some only at their "off" value)."""
-_STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
-_MAX_REQUEST_ID = 256
+from fastgen.api import normalise_prompts
+from fastgen.sampling_params import FieldError, SamplingParams
+from fastgen.serving.http.chat import ChatPrompt, chat_prompt
+from fastgen.serving.http.guard import ApiError
+from fastgen.serving.http.request_models import OPENAI_SAMPLING_FIELDS, RequestModels, validate
+
 _MAX_SHOWN_NAMES = 20
 _MAX_SHOWN_NAME = 80
 
@@ -94,35 +61,6 @@ def sampling_params(kwargs: Mapping[str, Any]) -> SamplingParams:
         return SamplingParams.from_kwargs(**kwargs)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ApiError(400, str(exc), param=getattr(exc, "field", None)) from None
-
-
-def _int(body: Mapping[str, Any], name: str, low: int, high: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            isinstance(value, float) and not value.is_integer()):
-        raise ApiError(400, f"{name} must be an integer, got {describe(value)}", param=name)
-    value = int(value)
-    if value < low or (high is not None and value > high):
-        raise ApiError(400, f"{name} must be in [{low}, {'inf' if high is None else high}], got {value}", param=name)
-    return value
-
-
-def _bool(body: Mapping[str, Any], name: str, default: bool, param: str | None = None) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError(400, f"{param + '.' if param else ''}{name} must be a boolean, got {describe(value)}",
-                       param=param or name)
-    return value
-
-
-def _check_off_only(body: Mapping[str, Any], table: Mapping[str, tuple[tuple[Any, ...], str]]) -> None:
-    for name, (off, what) in table.items():
-        if body.get(name) is not None and body[name] not in off:
-            raise ApiError(400, f"{name} is not supported: {what}", param=name)
 
 
 @dataclass(slots=True)
@@ -165,62 +103,48 @@ class Parsed:
         return f"{prefix}-{self.request_id if self.request_id is not None else random_id}"
 
 
-def _unknown(body: Mapping[str, Any], known: frozenset[str], strict: bool, prefix: str = "") -> list[str]:
-    unknown = sorted(k for k in body if k not in known)
-    if unknown and strict:
-        name = unknown[0][:80]
-        raise ApiError(400, f"unknown field {prefix + name!r} (accepted: {', '.join(sorted(known))})",
-                       param=(prefix.rstrip(".") or name))
-    return [prefix + name for name in unknown]
+def _ignored(request: BaseModel) -> list[str]:
+    """The fields of `request` (and of its `stream_options`) this server does not know (strict models refuse them)."""
+    ignored = sorted(request.model_extra or ())
+    options = getattr(request, "stream_options", None)
+    return ignored + [f"stream_options.{name}" for name in sorted((options.model_extra or ()) if options else ())]
 
 
-def _parse_common(body: Mapping[str, Any], known: frozenset[str], model_name: str, strict: bool) -> tuple[dict, Parsed]:
+def _parse_common(request: BaseModel, model_name: str) -> tuple[dict, Parsed]:
     """The sampling kwargs and the stream/usage/id options both routes share (prompts and params still unset)."""
-    ignored = _unknown(body, known, strict)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(400, "model is required: a string naming the served model (see GET /v1/models)", param="model")
-    if model != model_name:
-        raise model_not_found(model)
-    _check_off_only(body, _OFF_ONLY)
-    kwargs: dict[str, Any] = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    if request.model != model_name:
+        raise model_not_found(request.model)
+    kwargs: dict[str, Any] = {name: getattr(request, name) for name in OPENAI_SAMPLING_FIELDS
+                              if getattr(request, name) is not None}
     kwargs.setdefault("temperature", 1.0)
     kwargs.setdefault("top_p", 1.0)
-    min_tokens = _int(body, "min_tokens", 0)
-    if min_tokens is not None:
-        kwargs["min_new_tokens"] = min_tokens
-    truncate = _int(body, "truncate_prompt_tokens", -1)
+    if request.min_tokens is not None:
+        kwargs["min_new_tokens"] = request.min_tokens
+    truncate = request.truncate_prompt_tokens
     if truncate == 0:
         raise ApiError(400, "truncate_prompt_tokens must be >= 1 (or -1 for the whole context), got 0",
                        param="truncate_prompt_tokens")
     if truncate is not None and truncate > 0:  # -1 is vLLM's "the whole context", i.e. no truncation
         kwargs["truncate_prompt_tokens"] = truncate
-    stream = _bool(body, "stream", False)
-    prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+    stream = bool(request.stream)
+    prompt_logprobs = request.prompt_logprobs
     if prompt_logprobs is not None:
         if stream:
             raise ApiError(400, "prompt_logprobs is not available with stream: true (as in vLLM; streamed "
                                 "completions get the prompt's logprobs with echo and logprobs)", param="prompt_logprobs")
         kwargs["prompt_logprobs"] = prompt_logprobs
-    request_id = body.get("request_id")
-    if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= _MAX_REQUEST_ID):
-        raise ApiError(400, f"request_id must be a string of 1 to {_MAX_REQUEST_ID} characters, got "
-                            f"{describe(request_id)}", param="request_id")
-    options = body.get("stream_options")
+    options = request.stream_options
     include_usage = continuous = False
-    if options:
+    if options is not None and (options.model_fields_set or options.model_extra):
         if not stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        if not isinstance(options, dict):
-            raise ApiError(400, 'stream_options must be an object like {"include_usage": true}', param="stream_options")
-        ignored += _unknown(options, _STREAM_OPTIONS, strict, prefix="stream_options.")
-        include_usage = _bool(options, "include_usage", False, param="stream_options")
+        include_usage = bool(options.include_usage)
         # vLLM's rule: usage in every chunk only when the final usage chunk is asked for too.
-        continuous = include_usage and _bool(options, "continuous_usage_stats", False, param="stream_options")
+        continuous = include_usage and bool(options.continuous_usage_stats)
     parsed = Parsed([], SamplingParams(), stream, include_usage, None, None, continuous_usage=continuous,
-                    prompt_logprobs=prompt_logprobs, request_id=request_id,
-                    token_ids_as_text=_bool(body, "return_tokens_as_token_ids", False),
-                    add_special_tokens=_bool(body, "add_special_tokens", True), ignored=tuple(ignored))
+                    prompt_logprobs=prompt_logprobs, request_id=request.request_id,
+                    token_ids_as_text=bool(request.return_tokens_as_token_ids),
+                    add_special_tokens=request.add_special_tokens is not False, ignored=tuple(_ignored(request)))
     return kwargs, parsed
 
 
@@ -233,18 +157,17 @@ def _set_max_tokens(kwargs: dict, max_tokens: int | None, param: str = "max_toke
                        param="min_tokens")
 
 
-def parse_completion(body: Mapping[str, Any], model_name: str, strict: bool = False) -> Parsed:
-    """Validate a `/v1/completions` body; `strict` refuses unknown fields instead of ignoring them."""
-    kwargs, parsed = _parse_common(body, COMPLETION_FIELDS, model_name, strict)
-    if body.get("prompt") is None:
+def parse_completion(body: dict[str, Any], models: RequestModels, model_name: str) -> Parsed:
+    """Validate a `/v1/completions` body (as `models.completion`, which refuses unknown fields when strict)."""
+    request = validate(models.completion, body)
+    kwargs, parsed = _parse_common(request, model_name)
+    if request.prompt is None:
         raise ApiError(400, "prompt is required", param="prompt")
-    parsed.prompts = prompts_param(body["prompt"], "prompt")
-    _check_off_only(body, _COMPLETION_OFF_ONLY)
-    best_of = _int(body, "best_of", 1)
-    if best_of is not None and best_of != kwargs.get("n", 1):
+    parsed.prompts = prompts_param(request.prompt, "prompt")
+    if request.best_of is not None and request.best_of != kwargs.get("n", 1):
         raise ApiError(400, "best_of must equal n (ranking extra samples is not supported)", param="best_of")
-    parsed.echo = _bool(body, "echo", False)
-    max_tokens = _int(body, "max_tokens", 0)
+    parsed.echo = bool(request.echo)
+    max_tokens = request.max_tokens
     if max_tokens == 0:
         if not parsed.echo:
             raise ApiError(400, "max_tokens must be >= 1, got 0 (0 is allowed only with echo: true, which returns "
@@ -256,7 +179,7 @@ def parse_completion(body: Mapping[str, Any], model_name: str, strict: bool = Fa
     else:
         _set_max_tokens(kwargs, max_tokens or 16)
     parsed.max_tokens_param = "max_tokens" if max_tokens is not None else None
-    top = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    top = request.logprobs
     if top is not None:
         kwargs["logprobs"] = top
         if parsed.echo and parsed.prompt_logprobs is None:
@@ -266,25 +189,24 @@ def parse_completion(body: Mapping[str, Any], model_name: str, strict: bool = Fa
     return parsed
 
 
-def parse_chat(body: Mapping[str, Any], model_name: str, strict: bool = False) -> Parsed:
-    """Validate a `/v1/chat/completions` body (its prompt is rendered later, off the event loop);
-    `strict` refuses unknown fields instead of ignoring them."""
-    kwargs, parsed = _parse_common(body, CHAT_FIELDS, model_name, strict)
-    _check_off_only(body, _CHAT_OFF_ONLY)
-    parsed.prompts = [chat_prompt(body)]
-    max_completion_tokens, max_tokens = _int(body, "max_completion_tokens", 1), _int(body, "max_tokens", 1)
+def parse_chat(body: dict[str, Any], models: RequestModels, model_name: str) -> Parsed:
+    """Validate a `/v1/chat/completions` body (its prompt is rendered later, off the event loop)."""
+    request = validate(models.chat, body)
+    kwargs, parsed = _parse_common(request, model_name)
+    parsed.prompts = [chat_prompt(request)]
+    max_completion_tokens, max_tokens = request.max_completion_tokens, request.max_tokens
     parsed.max_tokens_param = "max_completion_tokens" if max_completion_tokens is not None else (
         "max_tokens" if max_tokens is not None else None)
     _set_max_tokens(kwargs, max_completion_tokens if max_completion_tokens is not None else max_tokens,
                     parsed.max_tokens_param or "max_tokens")
-    want_logprobs = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    want_logprobs = bool(request.logprobs)
+    top = request.top_logprobs
     if top is not None and not want_logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     parsed.top_logprobs = (top or 0) if want_logprobs else None
     if parsed.top_logprobs is not None:
         kwargs["logprobs"] = parsed.top_logprobs
-    parsed.echo = _bool(body, "echo", False)
+    parsed.echo = bool(request.echo)
     parsed.params = sampling_params(kwargs)
     return parsed
 

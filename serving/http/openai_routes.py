@@ -27,6 +27,7 @@ from fastgen.serving.http.gateway import generation_error
 from fastgen.serving.http.guard import read_json_object
 from fastgen.serving.http.logprobs import chat_logprobs, completion_logprobs, echo_entries, vllm_prompt_logprobs
 from fastgen.serving.http.openai_params import Parsed, ignored_notice, model_not_found, parse_chat, parse_completion
+from fastgen.serving.http.request_models import RequestModels
 
 if TYPE_CHECKING:
     from fastgen.serving.http.gateway import Gateway, Generation
@@ -110,9 +111,9 @@ def _sse_response(generation: Generation, events: AsyncIterator[dict], headers: 
 
 
 def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_model_len: int | None,
-                      strict_params: bool = False) -> None:
-    """Add `/v1/models`, `/v1/completions` and `/v1/chat/completions` to `router`; `strict_params`
-    refuses unknown body fields with a 400 instead of ignoring them."""
+                      models: RequestModels) -> None:
+    """Add `/v1/models`, `/v1/completions` and `/v1/chat/completions` to `router`, their bodies
+    validated as `models` (which refuse unknown fields when the app is strict)."""
     tokenizer, offload = gateway.tokenizer, gateway.offload
     card: dict[str, Any] = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "fastgen"}
     if max_model_len is not None:
@@ -130,7 +131,7 @@ def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        req = await read_json_object(request, offload, lambda body: parse_completion(body, model_name, strict_params))
+        req = await read_json_object(request, offload, lambda body: parse_completion(body, models, model_name))
         headers = ignored_notice(request.method, request.url.path, req.ignored)
         head = {"id": req.response_id("cmpl", uuid.uuid4().hex), "object": "text_completion",
                 "created": int(time.time()), "model": model_name}
@@ -159,7 +160,7 @@ def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        req = await read_json_object(request, offload, lambda body: parse_chat(body, model_name, strict_params))
+        req = await read_json_object(request, offload, lambda body: parse_chat(body, models, model_name))
         headers = ignored_notice(request.method, request.url.path, req.ignored)
         head = {"id": req.response_id("chatcmpl", uuid.uuid4().hex), "created": int(time.time()), "model": model_name}
         generation = await gateway.start(req.prompts, req.params, "messages", req.max_tokens_param)

@@ -9,68 +9,43 @@ while the server is up, as vLLM's does for SageMaker-style probes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from fastapi.responses import Response as HTTPResponse
+from pydantic import BaseModel
 
 from fastgen import __version__
 from fastgen.serving.http.guard import ApiError, read_json_object
 from fastgen.serving.http.chat import ChatPrompt, chat_prompt, render_chat
-from fastgen.serving.http.openai_params import describe, ignored_notice, model_not_found
+from fastgen.serving.http.openai_params import ignored_notice, model_not_found
+from fastgen.serving.http.request_models import RequestModels, validate
 
 if TYPE_CHECKING:
     from fastgen.serving.http.gateway import Gateway
 
 __all__ = ["add_utility_routes"]
 
-_COMPLETION_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
-_CHAT_FIELDS = frozenset({"model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
-                          "chat_template_kwargs", "return_token_strs"})
-_DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+
+def _served(request: BaseModel, model_name: str) -> tuple[str, ...]:
+    """The request's unknown fields (kept aside by a lenient model); a `model` must be the served one."""
+    if request.model is not None and request.model != model_name:
+        raise model_not_found(request.model)
+    return tuple(sorted(request.model_extra or ()))
 
 
-def _check_body(body: Mapping[str, Any], known: frozenset[str], model_name: str, strict: bool) -> tuple[str, ...]:
-    """The body's unknown fields (a 400 for the first in strict mode); a `model` must be the served one."""
-    unknown = tuple(sorted(k for k in body if k not in known))
-    if unknown and strict:
-        raise ApiError(400, f"unknown field {unknown[0][:80]!r} (accepted: {', '.join(sorted(known))})",
-                       param=unknown[0][:80])
-    model = body.get("model")
-    if model is not None:
-        if not isinstance(model, str):
-            raise ApiError(400, f"model must be a string, got {describe(model)}", param="model")
-        if model != model_name:
-            raise model_not_found(model)
-    return unknown
-
-
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be a boolean, got {describe(value)}", param=name)
-    return value
-
-
-def _parse_tokenize(body: Mapping[str, Any], model_name: str, strict: bool,
-                    max_chars: int | None) -> tuple[str | ChatPrompt, bool, bool, tuple[str, ...]]:
+def _parse_tokenize(body: dict[str, Any], models: RequestModels,
+                    model_name: str) -> tuple[str | ChatPrompt, bool, bool, tuple[str, ...]]:
     """(text or chat, add_special_tokens, return_token_strs, ignored fields) of a `/tokenize` body."""
     if "messages" in body:
-        ignored = _check_body(body, _CHAT_FIELDS, model_name, strict)
-        chat = chat_prompt(body)
-        return chat, chat.add_special_tokens, _flag(body, "return_token_strs", False), ignored
-    ignored = _check_body(body, _COMPLETION_FIELDS, model_name, strict)
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        raise ApiError(400, f"prompt is required: a string (or send messages), got {describe(prompt)}", param="prompt")
-    if max_chars is not None and len(prompt) > max_chars:
-        raise ApiError(400, f"prompt has {len(prompt)} characters, more than this model's context can hold (at "
-                            f"most {max_chars} characters)", param="prompt")
-    return prompt, _flag(body, "add_special_tokens", True), _flag(body, "return_token_strs", False), ignored
+        request = validate(models.tokenize_chat, body)
+        ignored = _served(request, model_name)
+        chat = chat_prompt(request)
+        return chat, chat.add_special_tokens, bool(request.return_token_strs), ignored
+    request = validate(models.tokenize, body)
+    ignored = _served(request, model_name)
+    return request.prompt, request.add_special_tokens is not False, bool(request.return_token_strs), ignored
 
 
 def _tokenize(tokenizer: Any, source: str | ChatPrompt, add_special_tokens: bool, with_strs: bool,
@@ -89,30 +64,26 @@ def _vocab_size(tokenizer: Any) -> int | None:
         return len(get_vocab()) if callable(get_vocab) else None
 
 
-def _parse_detokenize(body: Mapping[str, Any], model_name: str, strict: bool,
+def _parse_detokenize(body: dict[str, Any], models: RequestModels, model_name: str,
                       vocab_size: int | None) -> tuple[list[int], tuple[str, ...]]:
-    ignored = _check_body(body, _DETOKENIZE_FIELDS, model_name, strict)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise ApiError(400, f"tokens is required: a list of token ids, got {describe(tokens)}", param="tokens")
-    high = vocab_size if vocab_size is not None else 2**63
-    for i, token in enumerate(tokens):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < high:
-            raise ApiError(400, f"tokens[{i}] must be a token id in [0, {vocab_size or 'inf'}), got "
-                                f"{describe(token)}", param="tokens")
-    return tokens, ignored
+    request = validate(models.detokenize, body)
+    ignored = _served(request, model_name)
+    for i, token in enumerate(request.tokens):
+        if vocab_size is not None and token >= vocab_size:
+            raise ApiError(400, f"tokens[{i}] must be a token id in [0, {vocab_size}), got {token}", param="tokens")
+    return request.tokens, ignored
 
 
 def add_utility_routes(router: APIRouter, gateway: Gateway, model_name: str, max_model_len: int | None,
-                       strict_params: bool = False) -> None:
-    """Add `/tokenize`, `/detokenize`, `/version` and `/ping` to `router`."""
+                       models: RequestModels) -> None:
+    """Add `/tokenize`, `/detokenize` (bodies validated as `models`), `/version` and `/ping` to `router`."""
     tokenizer, offload, max_chars = gateway.tokenizer, gateway.offload, gateway.max_prompt_chars
     vocab_size = _vocab_size(tokenizer)
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         source, special, with_strs, ignored = await read_json_object(
-            request, offload, lambda body: _parse_tokenize(body, model_name, strict_params, max_chars))
+            request, offload, lambda body: _parse_tokenize(body, models, model_name))
         headers = ignored_notice(request.method, request.url.path, ignored)
         ids, strs = await offload.run(_tokenize, tokenizer, source, special, with_strs, max_chars)
         return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs},
@@ -121,7 +92,7 @@ def add_utility_routes(router: APIRouter, gateway: Gateway, model_name: str, max
     @router.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
         tokens, ignored = await read_json_object(
-            request, offload, lambda body: _parse_detokenize(body, model_name, strict_params, vocab_size))
+            request, offload, lambda body: _parse_detokenize(body, models, model_name, vocab_size))
         headers = ignored_notice(request.method, request.url.path, ignored)
         return JSONResponse({"prompt": await offload.run(tokenizer.decode, tokens)}, headers=headers)
 
