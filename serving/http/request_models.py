@@ -93,9 +93,11 @@ def sampling_annotation(name: str, limits: ServingLimits) -> Any:
     if origin is dict:  # logit_bias: JSON keys are strings of digits
         return dict[Annotated[str, StringConstraints(pattern=r"^[0-9]+$")],
                     bounded(float, field_bounds(name, items=True))]
-    if inner and inner[0] is str:  # words: one or a list
+    if origin is tuple and inner and inner[0] is str:  # words: one or a list
         return Text | list[Text]
-    return list[bounded(int, field_bounds(name, items=True))]
+    if origin is tuple and inner and inner[0] is int:  # token ids
+        return list[bounded(int, field_bounds(name, items=True))]
+    return Any  # a field of another shape: SamplingParams checks it (a 400 naming it), the schema says nothing
 
 
 def _nothing(what: str) -> tuple[Any, str]:
