@@ -184,13 +184,9 @@ class Pipeline:
         for delta in engine.step():
             sink = self._sinks.get(delta.request_id)
             if sink is not None:
-                sink(delta)
-        for rid, failure in engine.pop_failures().items():
-            sink = self._sinks.get(rid)
-            if sink is not None:
-                sink(failure)
-            else:
-                self._failures[rid] = failure
+                sink(delta if delta.error is None else delta.error)
+            elif delta.error is not None:
+                self._failures[delta.request_id] = delta.error
         # A stream's request that left the engine (finished, failed, aborted) has delivered everything.
         for rid in [rid for rid in self._sinks if rid not in engine.requests]:
             self._sinks.pop(rid)(END)
@@ -236,7 +232,7 @@ def pipeline(model_name_or_path: str | None = None, model_config: dict[str, Any]
     if launch is not None and launch.rank > 0:
         serve_torchrun_rank(engine_config.device)
         return Pipeline(None, rank=launch.rank)
-    return Pipeline(Engine(engine_config))
+    return Pipeline(Engine.from_config(engine_config))
 
 
 def serve_torchrun_rank(device: str | None = None) -> bool:

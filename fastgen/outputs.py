@@ -27,7 +27,7 @@ class Response:
     """Generated tokens so far (all of them, not just this delta)."""
     finish_reason: str
     """"stop" (EOS, stop string or stop token), "length" (max_new_tokens/max_length), "abort",
-    or "none" for a streamed delta that is not the last."""
+    "error" (the engine failed the request: see `error`), or "none" for a streamed delta that is not the last."""
     token_ids: list[int]
     """Generated token ids (this delta's while streaming)."""
     logprobs: list[dict[int, float]] | None = None
@@ -44,6 +44,9 @@ class Response:
     """Prompt tokens whose KV came from the prefix cache."""
     request_id: str = ""
     """The engine's id of the request this completion belongs to."""
+    error: BaseException | None = None
+    """Only on the one final delta `Engine.step` gives a request that failed inside the engine (a
+    `fastgen.engine.RequestFailed`, finish_reason "error"): whoever delivers the request raises it."""
 
     def __str__(self) -> str:
         return self.generated_text

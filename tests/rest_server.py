@@ -43,7 +43,7 @@ class Served:
 @contextlib.contextmanager
 def serve(model_dir: str, model_name: str, engine_options: dict, **app_options: Any) -> Iterator[Served]:
     """Serve `model_dir` as `model_name` until the block ends; `app_options` go to `create_app`."""
-    engine = Engine(EngineConfig(model=model_dir, **engine_options))
+    engine = Engine.from_config(EngineConfig(model=model_dir, **engine_options))
     loop = EngineLoop(engine)
     app = create_app(loop, "test-deployment", engine.tokenizer, model_name, max_model_len=engine.max_model_len,
                      metrics=ServingMetrics(engine.stats), **app_options)

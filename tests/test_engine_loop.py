@@ -16,7 +16,7 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def loop(tiny_checkpoints):
-    engine = Engine(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=NUM_BLOCKS, block_size=8,
+    engine = Engine.from_config(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=NUM_BLOCKS, block_size=8,
                                  token_budget=32, max_seqs=8, progress=False))
     engine.eos_token_ids = set()
     loop = EngineLoop(engine)
@@ -84,7 +84,7 @@ def test_asyncio_clients(loop, tiny_checkpoints):
 
 def test_loop_stepped_by_the_calling_thread_serves_client_threads(tiny_checkpoints):
     # What scripts/serve.py does: the main thread steps (EngineLoop.run), clients submit from threads.
-    engine = Engine(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=NUM_BLOCKS, block_size=8,
+    engine = Engine.from_config(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=NUM_BLOCKS, block_size=8,
                                  token_budget=32, max_seqs=8, progress=False))
     engine.eos_token_ids = set()
     loop = EngineLoop(engine, thread=False)

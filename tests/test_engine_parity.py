@@ -33,7 +33,7 @@ def test_engine_greedy_equals_hf_with_preemption_and_prefix_hits(model_type, con
                                                                   tiny_checkpoints, hf_reference):
     """Also with prompt chunks charged for their attention (16: a chunk at offset 48 gets 3 tokens of 16)."""
     path = tiny_checkpoints[model_type]
-    engine = Engine(EngineConfig(model=path, num_kv_blocks=40, block_size=4, token_budget=TOKEN_BUDGET,
+    engine = Engine.from_config(EngineConfig(model=path, num_kv_blocks=40, block_size=4, token_budget=TOKEN_BUDGET,
                                  max_seqs=8, progress=False, context_per_budget_token=context_per_budget_token))
     engine.eos_token_ids = set()  # compare full-length outputs, whatever EOS the random model hits
     prompts = _workload(engine.tokenizer)

@@ -32,7 +32,7 @@ MII_HELLO = mii_pb.MultiStringRequest(request=["Hello"], query_kwargs={"max_new_
 
 @pytest.fixture(scope="module")
 def backend(tiny_checkpoints):
-    backend = LocalBackend(EngineLoop(Engine(EngineConfig(model=tiny_checkpoints["llama"], **CONFIG))), "tiny")
+    backend = LocalBackend(EngineLoop(Engine.from_config(EngineConfig(model=tiny_checkpoints["llama"], **CONFIG))), "tiny")
     yield backend
     backend.close()
 

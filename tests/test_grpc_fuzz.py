@@ -33,7 +33,7 @@ INT64 = st.integers(-2**63, 2**63 - 1)
 
 
 def _engine_loop(path: str, **config) -> LocalBackend:
-    return LocalBackend(EngineLoop(Engine(EngineConfig(model=path, **{**CONFIG, **config}))), "tiny")
+    return LocalBackend(EngineLoop(Engine.from_config(EngineConfig(model=path, **{**CONFIG, **config}))), "tiny")
 
 
 def _serve(backend: LocalBackend):

@@ -20,7 +20,7 @@ POISON_PENALTY = 1.2345
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoints):
-    engine = Engine(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=NUM_BLOCKS, block_size=8,
+    engine = Engine.from_config(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=NUM_BLOCKS, block_size=8,
                                  token_budget=48, max_seqs=12, max_length=256, progress=False))
     engine.eos_token_ids = set()
     yield engine
@@ -29,22 +29,22 @@ def engine(tiny_checkpoints):
 
 def _poison(engine, monkeypatch):
     """Faults that only some rows meet, as a late-discovered bad combination or a kernel bug would."""
-    execute = engine._execute
+    execute = engine.executor._execute
 
     def faulty_execute(chunks):
-        if any(seq.prompt_token_ids[0] == POISON_TOKEN for seq, _ in chunks):
+        if any(chunk.seq.prompt_token_ids[0] == POISON_TOKEN for chunk in chunks):
             raise IndexError("simulated model fault on a poisoned chunk")
         return execute(chunks)
 
-    sample = engine._sample
+    sample = engine.executor._sample
 
     def faulty_sample(logits, seqs):
         if any(s.params.repetition_penalty == POISON_PENALTY for s in seqs):
             raise RuntimeError("simulated sampler fault on one row")
         return sample(logits, seqs)
 
-    monkeypatch.setattr(engine, "_execute", faulty_execute)
-    monkeypatch.setattr(engine, "_sample", faulty_sample)
+    monkeypatch.setattr(engine.executor, "_execute", faulty_execute)
+    monkeypatch.setattr(engine.executor, "_sample", faulty_sample)
 
 
 def _greedy(**kw):
@@ -157,8 +157,9 @@ def test_detokenizer_fault_fails_only_its_request(engine):
     engine.requests[broken][0].stream = Exploding()
     deltas = []
     while engine.has_unfinished():
-        deltas += engine.step()
-        failures = engine.pop_failures()
+        step = engine.step()
+        failures = {d.request_id: d.error for d in step if d.error is not None}
+        deltas += [d for d in step if d.error is None]
         if failures:
             assert list(failures) == [broken]
             assert isinstance(failures[broken], RequestFailed) and "detokenizing" in str(failures[broken])

@@ -45,7 +45,7 @@ def _rss_mb() -> float:
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints):
-    engine = Engine(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=128, block_size=8, token_budget=32,
+    engine = Engine.from_config(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=128, block_size=8, token_budget=32,
                                  max_seqs=8, progress=False))
     engine.eos_token_ids = set()  # the stream runs to max_tokens: its token count is exact
     loop = EngineLoop(engine)

@@ -62,7 +62,7 @@ VALID = {
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoints):
-    engine = Engine(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=NUM_BLOCKS, block_size=8,
+    engine = Engine.from_config(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=NUM_BLOCKS, block_size=8,
                                  token_budget=32, max_seqs=8, max_length=64, progress=False))
     loop = EngineLoop(engine)
     app = create_app(loop, DEPLOYMENT, engine.tokenizer, MODEL, max_model_len=engine.max_model_len, limits=LIMITS)

@@ -51,7 +51,7 @@ class LoopWatcher:
 
 @pytest.fixture(scope="module")
 def loop(tiny_checkpoints):
-    engine = Engine(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=64, block_size=8, token_budget=32,
+    engine = Engine.from_config(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=64, block_size=8, token_budget=32,
                                  max_seqs=8, progress=False))
     engine.eos_token_ids = set()
     loop = EngineLoop(engine)

@@ -15,8 +15,8 @@ from transformers import (  # noqa: E402
     TopPLogitsWarper,
 )
 
-from fastgen.engine.sampler import Sampler  # noqa: E402
-from fastgen.engine.sampling_metadata import SamplingMetadata, make_generator  # noqa: E402
+from fastgen.engine.step.sampler import Sampler  # noqa: E402
+from fastgen.engine.step.sampling_metadata import SamplingMetadata, make_generator  # noqa: E402
 from fastgen.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -412,7 +412,7 @@ def test_allowed_and_banned_tokens_mask_every_row():
 
 
 def test_first_argmax_matches_argmax_on_ties_and_nan():
-    from fastgen.engine.sampler import _first_argmax
+    from fastgen.engine.step.sampler import _first_argmax
     generator = torch.Generator().manual_seed(0)
     scores = torch.randint(0, 4, (33, 5000), generator=generator).float()  # many tied maxima per row
     scores[3, 17] = float("nan")

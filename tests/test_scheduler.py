@@ -1,10 +1,11 @@
-"""Tests of the Dynamic SplitFuse Scheduler driven like Engine.step, with a fake model.
+"""Tests of the Dynamic SplitFuse Scheduler: the real `schedule` and `update`, with a fake model.
 
 No torch model runs: a "KV cache" list records which (position, token) each slot holds, and the
-next token of a sequence is a fixed function of its id and output length, so a preempted and
-recomputed sequence must reproduce exactly the same output. Random traces (arrivals over time,
-long and short prompts, shared prefixes, n > 1, aborts, tight to plentiful KV caches) are checked
-after every step; the unit tests pin the policy on small hand-made cases.
+next token of a sequence is a fixed function of its id and output length, handed to
+`Scheduler.update` in a made-up `StepOutput`, so a preempted and recomputed sequence must
+reproduce exactly the same output. Random traces (arrivals over time, long and short prompts,
+shared prefixes, n > 1, aborts, tight to plentiful KV caches) are checked after every step; the
+unit tests pin the policy on small hand-made cases.
 """
 
 import copy
@@ -19,9 +20,9 @@ from fastgen.engine.block_manager import BlockManager
 from fastgen.sampling_params import SamplingParams
 from fastgen.engine.scheduler import ScheduledBatch, Scheduler
 from fastgen.engine.sequence import Sequence, SequenceStatus
+from fastgen.engine.step.output import StepOutput
 
 VOCAB = 50
-PARAMS = SamplingParams()
 
 
 def fake_token(seq: Sequence) -> int:
@@ -30,7 +31,7 @@ def fake_token(seq: Sequence) -> int:
 
 
 class Sim:
-    """Drives a Scheduler and BlockManager the way Engine.step does, checking every step."""
+    """Drives a real Scheduler and BlockManager with a fake model, checking every step."""
 
     def __init__(self, num_blocks: int, block_size: int, token_budget: int, max_seqs: int,
                  prefix_caching: bool = True, context_per_budget_token: int = 0) -> None:
@@ -44,22 +45,24 @@ class Sim:
         self._arrivals = itertools.count()
 
     def add(self, prompt: list[int], max_new: int, n: int = 1) -> list[Sequence]:
-        """Queue a request of `n` choices as Engine.add_request does (children start at fork)."""
+        """Queue a request of `n` choices that stop after `max_new` tokens (children start at fork)."""
         arrival = next(self._arrivals)
-        seqs = [Sequence(next(self._seq_ids), str(arrival), prompt, PARAMS, arrival, i) for i in range(n)]
+        params = SamplingParams(max_new_tokens=max_new)
+        seqs = [Sequence(next(self._seq_ids), str(arrival), prompt, params, arrival, i) for i in range(n)]
         for seq in seqs:
             self.max_new[seq.seq_id] = max_new
-        seqs[0].children = seqs[1:]
         self.requests[str(arrival)] = seqs
-        self.sched.add(seqs[0])
+        self.sched.add_request(seqs)
         return seqs
 
     def abort(self, request_id: str) -> None:
-        """Abort every unfinished choice of a request, as Engine.abort does."""
+        """Abort every unfinished choice of a request."""
         self.aborted.add(request_id)
-        for seq in self.requests[request_id]:
-            if not seq.is_finished:
-                self.sched.finish(seq, "abort")
+        live = request_id in self.sched.requests
+        assert live == (not all(s.is_finished for s in self.requests[request_id]))
+        ended = self.sched.abort(request_id)
+        assert ended == (self.requests[request_id] if live else [])
+        assert all(s.is_finished for s in ended) and request_id not in self.sched.requests
 
     @property
     def all_seqs(self) -> list[Sequence]:
@@ -67,36 +70,42 @@ class Sim:
         return [s for seqs in self.requests.values() for s in seqs]
 
     def step(self) -> ScheduledBatch:
-        """One engine step: schedule, write fake KV, postprocess (advance, fork), sample, finish; then check."""
+        """One step: schedule, write fake KV, sample fake tokens, `update`; then check everything."""
         sched, bm = self.sched, self.bm
         running_before = {s.seq_id: s.num_pending_tokens for s in sched.running}
         waiting_before = list(sched.waiting)
         outputs_before = {s.seq_id: list(s.output_token_ids) for s in self.all_seqs}
         batch = sched.schedule()
         self._check_batch(batch, running_before, waiting_before, outputs_before)
-        for seq, num_new in batch.chunks:
-            ids = seq.token_ids
-            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
+        for chunk in batch.chunks:
+            seq, ids = chunk.seq, chunk.seq.token_ids
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_new_tokens):
                 self.kv[bm.slot(seq.seq_id, pos)] = (pos, ids[pos])
-        to_sample = sched.postprocess(batch.chunks)  # the engine's own bookkeeping
-        assert to_sample == [s for s, _ in batch.chunks if s.num_computed_tokens == s.num_tokens]
-        for seq, _ in batch.chunks:
-            self._check_kv(seq)  # every computed position reads back its own token
-        for seq in to_sample:
-            seq.append_token(fake_token(seq))
-            if len(seq.output_token_ids) >= self.max_new[seq.seq_id]:
-                sched.finish(seq, "length")
+        for chunk in batch.chunks:  # every computed position reads back its own token
+            self._check_kv(chunk.seq, chunk.seq.num_computed_tokens + chunk.num_new_tokens)
+        sampling = [c.seq for c in batch.chunks if c.samples]
+        assert sampling == [c.seq for c in batch.chunks
+                            if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens]
+        output = StepOutput({seq.seq_id: [fake_token(seq)] for seq in sampling})
+        updates = sched.update(batch, output)
+        assert [u.seq for u in updates] == sampling
+        for update in updates:
+            seq = update.seq
+            assert update.token_ids == output.sampled_token_ids[seq.seq_id] == seq.output_token_ids[-1:]
+            assert update.error is None and update.logprobs is None and update.text == ""
+            done = len(seq.output_token_ids) >= self.max_new[seq.seq_id]
+            assert seq.is_finished == done and (seq.finish_reason == "length" if done else True)
         self._check_state()
         return batch
 
-    def _check_kv(self, seq: Sequence) -> None:
+    def _check_kv(self, seq: Sequence, num_computed: int) -> None:
         ids = seq.token_ids
-        for pos in range(seq.num_computed_tokens):
+        for pos in range(num_computed):
             assert self.kv[self.bm.slot(seq.seq_id, pos)] == (pos, ids[pos]), (seq, pos)
 
     def _check_batch(self, batch, running_before, waiting_before, outputs_before) -> None:
         sched, bm = self.sched, self.bm
-        chunks = batch.chunks
+        chunks = [(c.seq, c.num_new_tokens) for c in batch.chunks]
         ids = [s.seq_id for s, _ in chunks]
         assert len(ids) == len(set(ids)) <= sched.max_seqs
         assert batch.budget_spent == sum(charge(sched, s, n) for s, n in chunks)
@@ -323,7 +332,7 @@ def test_constructor_errors():
 
 def chunk_sizes(batch: ScheduledBatch) -> list[tuple[int, int]]:
     """The batch as (seq_id, num_new) pairs."""
-    return [(seq.seq_id, n) for seq, n in batch.chunks]
+    return [(c.seq.seq_id, c.num_new_tokens) for c in batch.chunks]
 
 
 def test_long_prompt_is_split_into_exact_chunks():

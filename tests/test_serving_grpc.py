@@ -39,7 +39,7 @@ def pipe(tiny_checkpoints):
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoints):
-    backend = LocalBackend(EngineLoop(Engine(EngineConfig(model=tiny_checkpoints["llama"], **CONFIG))), "tiny")
+    backend = LocalBackend(EngineLoop(Engine.from_config(EngineConfig(model=tiny_checkpoints["llama"], **CONFIG))), "tiny")
     server = GrpcServer("127.0.0.1", 0, deployment_name="tiny", backend=backend)
     server.start()
     channel = grpc.insecure_channel(server.address)

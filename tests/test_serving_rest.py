@@ -41,7 +41,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoints):
-    engine = Engine(EngineConfig(model=tiny_checkpoints["llama"], **ENGINE))
+    engine = Engine.from_config(EngineConfig(model=tiny_checkpoints["llama"], **ENGINE))
     engine.eos_token_ids = set()  # every completion runs to max_tokens: exact, predictable counts
     loop = EngineLoop(engine)
     terminated = threading.Event()

@@ -11,7 +11,10 @@ data types (`fastgen.config`, `fastgen.sampling_params`, `fastgen.outputs`); nev
 or `fastgen.serving`.
 """
 
-from fastgen.engine.engine import DEMO_MODEL_DIR, Engine, PreparedRequest, RequestFailed, max_prompt_chars
+from fastgen.engine.admission import PreparedRequest, max_prompt_chars
+from fastgen.engine.builder import DEMO_MODEL_DIR
+from fastgen.engine.engine import Engine
+from fastgen.engine.step.output import RequestFailed
 from fastgen.engine.loop import EngineLoop, RequestStream
 from fastgen.engine.request_group import END, Member, RequestGroup, Sink, full_text_prefix, merge_deltas
 from fastgen.executor.distributed import TensorParallelError

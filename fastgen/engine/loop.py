@@ -17,7 +17,9 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, Ti
 from typing import Any, Callable
 
 from fastgen.executor.distributed import TensorParallelError
-from fastgen.engine.engine import Engine, PreparedRequest, RequestFailed
+from fastgen.engine.admission import PreparedRequest
+from fastgen.engine.engine import Engine
+from fastgen.engine.step.output import RequestFailed
 from fastgen.engine.request_group import END as _DONE, Sink
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
@@ -215,8 +217,6 @@ class EngineLoop:
                 continue
             for delta in deltas:
                 self._route(delta)
-            for request_id, failure in self.engine.pop_failures().items():
-                self._close(request_id, failure)
         self._fail_pending()
 
     def _fail_pending(self) -> None:
@@ -268,6 +268,9 @@ class EngineLoop:
     def _route(self, delta: Response) -> None:
         stream = self._streams.get(delta.request_id)
         if stream is None:
+            return
+        if delta.error is not None:
+            self._close(delta.request_id, delta.error)
             return
         stream._push(delta)
         if delta.finish_reason != "none":

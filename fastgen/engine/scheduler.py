@@ -29,19 +29,45 @@ recomputed: Phi-3's LongRoPE computes every token with other factors once a sequ
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastgen.engine.block_manager import BlockManager
 from fastgen.engine.sequence import Sequence, SequenceStatus
+from fastgen.engine.step.inputs import prompt_logit_positions
+from fastgen.engine.step.output import SequenceUpdate, StepOutput, TokenLogprobs
+from fastgen.engine.stop_rules import StopRules
+
+logger = logging.getLogger("fastgen")
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One sequence's share of a step: which of its pending tokens are computed, and what rides along.
+
+    Per-row extras of later features are fields here (filled by the scheduler, flattened by
+    `step.inputs.build_host_inputs`, read back by the executor), e.g. draft tokens to verify
+    (charged to the token budget like any computed token), a grammar bitmask row, a LoRA adapter
+    slot, a recurrent-state slot: see docs/architecture.md, "Where to add what".
+    """
+
+    seq: Sequence
+    """The sequence."""
+    num_new_tokens: int
+    """How many of its uncomputed tokens this step computes (from `seq.num_computed_tokens` on)."""
+    samples: bool
+    """Whether this chunk samples: after it every token of `seq` has KV, so the logits of its last
+    row choose the next token(s). The one place this rule is decided; inputs, executor and `update`
+    all read it."""
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """What one step computes: `(seq, num_new_tokens)` pairs, decodes first."""
+    """What one step computes: one `ScheduledChunk` per sequence, decodes first."""
 
-    chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
     """Each sequence and how many of its uncomputed tokens this step computes."""
     preempted: list[Sequence] = field(default_factory=list)
     """Sequences preempted while building this batch (their KV was freed)."""
@@ -51,7 +77,7 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         """Tokens computed by this step."""
-        return sum(n for _, n in self.chunks)
+        return sum(c.num_new_tokens for c in self.chunks)
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -61,8 +87,10 @@ class Scheduler:
     """Decides, step by step, which tokens of which sequences are computed."""
 
     def __init__(self, block_manager: BlockManager, token_budget: int, max_seqs: int,
-                 kv_namespace: Callable[[Sequence], int] | None = None, context_per_budget_token: int = 0) -> None:
-        """`kv_namespace(seq)`: the prefix-cache namespace a sequence's KV is computed in now (None:
+                 kv_namespace: Callable[[Sequence], int] | None = None, context_per_budget_token: int = 0,
+                 stop_rules: StopRules | None = None) -> None:
+        """`stop_rules`: when sequences finish (default: by their own `SamplingParams` only).
+        `kv_namespace(seq)`: the prefix-cache namespace a sequence's KV is computed in now (None:
         always 0; see `BlockManager.match_prefix`). `context_per_budget_token`: the attention charge
         of prompt chunks (the module's docstring; 0 = chunks spend their tokens only)."""
         for name, value in (("token_budget", token_budget), ("max_seqs", max_seqs),
@@ -80,13 +108,23 @@ class Scheduler:
         self.max_seqs = max_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.requests: dict[str, list[Sequence]] = {}
+        """Every unfinished request's sequences (choices), by request id."""
+        self.stop_rules = stop_rules or StopRules()
         self.kv_namespace = kv_namespace
         self.context_per_budget_token = context_per_budget_token
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence: by priority (lower first), then arrival order."""
-        seq.status = SequenceStatus.WAITING
-        self._enqueue(seq)
+    def add_request(self, seqs: list[Sequence]) -> None:
+        """Queue a request's choices (one `Sequence` each, same request id and prompt): the first by
+        priority (lower first), then arrival order; the others start once it has computed the
+        prompt, sharing its KV blocks (`fork_children`)."""
+        request_id = seqs[0].request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.requests[request_id] = seqs
+        seqs[0].children = seqs[1:]
+        seqs[0].status = SequenceStatus.WAITING
+        self._enqueue(seqs[0])
 
     def _enqueue(self, seq: Sequence) -> None:
         key = _order(seq)
@@ -146,7 +184,7 @@ class Scheduler:
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
         batch.budget_spent += self.charge(seq, num_new)
-        batch.chunks.append((seq, num_new))
+        batch.chunks.append(ScheduledChunk(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens))
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
         """Get KV blocks for `seq`, preempting the newest unscheduled running sequences if needed.
@@ -204,18 +242,59 @@ class Scheduler:
         index = next((i for i, s in enumerate(self.waiting) if _order(s) > _order(seq)), len(self.waiting))
         self.waiting.insert(index, seq)
 
-    def postprocess(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
-        """After the model ran `chunks`: advance each sequence's `num_computed_tokens`, start the
-        other choices of a request whose prompt is now computed, and return the sequences that
-        sample a token this step (those whose every token has KV), in chunk order."""
-        to_sample = []
-        for seq, num_new in chunks:
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens == seq.num_tokens:
-                to_sample.append(seq)
-                if seq.children and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                    self.fork_children(seq)
-        return to_sample
+    def update(self, batch: ScheduledBatch, output: StepOutput) -> list[SequenceUpdate]:
+        """Apply an executed step: end the requests that failed, advance each chunk's
+        `num_computed_tokens`, start the other choices of a request whose prompt is now computed,
+        append each sampling row's tokens (stopping at the first that finishes it: EOS, stop id or
+        string, length), finish and free what ended. Returns, in chunk order, an update per sequence
+        that got tokens and one per failed request (its `error`, no tokens)."""
+        updates: list[SequenceUpdate] = []
+        for request_id, error in output.failed.items():
+            seqs = self.requests.get(request_id)
+            if seqs is not None:
+                self._end_request(request_id, "error")
+                updates.append(SequenceUpdate(seqs[0], error=error))
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            if seq.is_finished:
+                continue  # its request failed or was aborted in this step
+            entries = output.prompt_logprobs.get(seq.seq_id, ())
+            for position, entry in zip(prompt_logit_positions(seq, chunk.num_new_tokens), entries):
+                if len(seq.prompt_logprobs) == position + 1:  # else recomputed after a preemption: recorded
+                    seq.prompt_logprobs.append(entry)
+            seq.num_computed_tokens += chunk.num_new_tokens
+            if not chunk.samples:
+                continue
+            if seq.children and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self.fork_children(seq)
+            tokens = output.sampled_token_ids[seq.seq_id]  # a sampling row without tokens is the engine's bug
+            try:
+                updates.append(self._append(seq, tokens, output.logprobs.get(seq.seq_id)))
+            except Exception as exc:  # a detokenizer fault: only this request ends
+                error = output.fail(seq.request_id, "detokenizing", exc)
+                logger.error("%s", error, exc_info=exc)
+                updates = [u for u in updates if u.seq.request_id != seq.request_id]
+                self._end_request(seq.request_id, "error")
+                updates.append(SequenceUpdate(seq, error=error))
+        return updates
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> SequenceUpdate:
+        """Append `tokens` to `seq` one by one under the stop rules; the first that stops it is the last."""
+        update = SequenceUpdate(seq, logprobs=None if logprobs is None else [])
+        texts = []
+        for i, token in enumerate(tokens):
+            seq.append_token(token)
+            update.token_ids.append(token)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
+                update.logprobs.append(logprobs[i])
+            text, reason = self.stop_rules.check(seq, token)
+            texts.append(text)
+            if reason is not None:
+                self.finish(seq, reason)
+                break
+        update.text = "".join(texts)
+        return update
 
     def fork_children(self, parent: Sequence) -> list[Sequence]:
         """Start `parent`'s n-1 sibling choices, sharing its prompt's full KV blocks.
@@ -246,6 +325,21 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seqs = self.requests.get(seq.request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self.requests[seq.request_id]
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """End every unfinished choice of a request with "abort" and free its KV; returns all its
+        sequences (unknown or already finished id: [])."""
+        return self._end_request(request_id, "abort")
+
+    def _end_request(self, request_id: str, reason: str) -> list[Sequence]:
+        seqs = self.requests.pop(request_id, [])
+        for seq in seqs:
+            if not seq.is_finished:
+                self.finish(seq, reason)
+        return seqs
 
 
 def _order(seq: Sequence) -> tuple[int, int, int]:

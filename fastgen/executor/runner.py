@@ -9,10 +9,12 @@ to the smallest bucket that holds it and a step larger than every bucket runs ea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,6 +85,14 @@ class RunnerSpec:
     CPU)."""
     gemv_weights: bool = False
     """With `weight_prepack`, keep the plain weights too, for steps of a few rows (`fastgen.ops.gemv`)."""
+
+    @classmethod
+    def from_plan(cls, plan: Any, **values: Any) -> "RunnerSpec":
+        """The spec of `plan` (a `fastgen.planning.plan.Plan`): every field the plan has by the same
+        name, then `values` (what the plan does not say: where the checkpoint is, the KV blocks...)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        plan_values = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name in names}
+        return cls(**{**plan_values, **values})
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

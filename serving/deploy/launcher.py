@@ -118,7 +118,7 @@ def _load_backend(args: argparse.Namespace, config: EngineConfig, server: GrpcSe
                   stop: threading.Event, limits: ServingLimits) -> Backend:
     if args.replica_num == 1:
         # Stepped by `main`'s own thread (see `EngineLoop.run`).
-        loop = EngineLoop(Engine(config), thread=False)
+        loop = EngineLoop(Engine.from_config(config), thread=False)
         return LocalBackend(loop, args.deployment_name)
     options = {f.name: getattr(config, f.name) for f in engine_fields()}
     devices: list[str | None] = [config.device] * args.replica_num

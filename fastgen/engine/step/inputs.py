@@ -4,10 +4,15 @@ whose logits are needed)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastgen.engine.block_manager import BlockManager
 from fastgen.engine.sequence import Sequence
 from fastgen.executor.step_inputs import HostStepInputs
 from fastgen.models.rope import LongRopeSwitch
+
+if TYPE_CHECKING:  # the scheduler imports this module
+    from fastgen.engine.scheduler import ScheduledChunk
 
 
 def long_rope_namespace(switch: LongRopeSwitch, seq: Sequence) -> int:
@@ -29,13 +34,17 @@ def prompt_logit_positions(seq: Sequence, num_new: int) -> range:
     return range(start, min(start + num_new, seq.num_prompt_tokens - 1))
 
 
-def build_host_inputs(chunks: list[tuple[Sequence, int]], block_manager: BlockManager,
+def build_host_inputs(chunks: list[ScheduledChunk], block_manager: BlockManager,
                       long_rope: LongRopeSwitch | None = None) -> HostStepInputs:
-    """Flatten `(seq, num_new_tokens)` chunks into `HostStepInputs`; `long_rope` is the model's
-    LongRoPE switch (None: no token takes long factors beyond what its position implies)."""
+    """Flatten scheduled chunks into `HostStepInputs`; `long_rope` is the model's LongRoPE switch
+    (None: no token takes long factors beyond what its position implies).
+
+    Each chunk's logits rows, in order: its `prompt_logit_positions`, then its last token when it
+    `samples`."""
     bs = block_manager.block_size
     out = HostStepInputs.empty()
-    for seq, num_new in chunks:
+    for chunk in chunks:
+        seq, num_new = chunk.seq, chunk.num_new_tokens
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
         first_row = out.query_start_loc[-1]
         out.logits_indices.extend(first_row + p - start for p in prompt_logit_positions(seq, num_new))
@@ -49,6 +58,6 @@ def build_host_inputs(chunks: list[tuple[Sequence, int]], block_manager: BlockMa
         out.seq_lens.append(end)
         out.query_start_loc.append(out.query_start_loc[-1] + num_new)
         out.block_tables.append(table)
-        if end == seq.num_tokens:
+        if chunk.samples:
             out.logits_indices.append(out.query_start_loc[-1] - 1)
     return out

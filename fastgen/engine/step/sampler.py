@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from fastgen.engine.grammar.bitmask import apply_bitmask_
-from fastgen.engine.sampling_metadata import SamplingMetadata, same_device
+from fastgen.engine.step.sampling_metadata import SamplingMetadata, same_device
 
 
 @dataclass(slots=True)

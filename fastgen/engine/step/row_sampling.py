@@ -1,0 +1,53 @@
+"""The glue between sequences and the `Sampler`: one step's sampling rows in, token ids and
+logprob dicts out (one host sync); and the scores of the prompt tokens a request asked logprobs for."""
+
+from __future__ import annotations
+
+import torch
+
+from fastgen.engine.step.sampler import Sampler
+from fastgen.engine.step.sampling_metadata import SamplingMetadata
+from fastgen.engine.sequence import Sequence
+from fastgen.engine.step.output import TokenLogprobs
+from fastgen.engine.stop_rules import StopRules
+
+
+def sample_rows(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], vocab_size: int,
+                stop_rules: StopRules) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """The next token of each sequence (row i of `logits` is `seqs[i]`'s), and per row its logprob
+    dict when its request asked (None otherwise)."""
+    banned = [stop_rules.banned_tokens(s) for s in seqs]
+    md = SamplingMetadata.build(
+        [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+        [s.generator for s in seqs], vocab_size, logits.device, banned if any(banned) else None,
+    )
+    out = sampler(logits, md)
+    tokens = out.sampled_token_ids.tolist()
+    if out.logprobs is None:
+        return tokens, [None] * len(tokens)
+    lp, ids = out.logprobs.tolist(), out.logprob_token_ids.tolist()
+    rows: list[TokenLogprobs | None] = []
+    for seq, lp_row, id_row in zip(seqs, lp, ids):
+        n = seq.params.logprobs
+        rows.append(None if n is None else dict(zip(id_row[: 1 + n], lp_row[: 1 + n])))
+    return tokens, rows
+
+
+def score_prompt_tokens(logits: torch.Tensor, owners: list[tuple[Sequence, int]]) -> list[TokenLogprobs]:
+    """Row i of `logits` predicts prompt position `owners[i][1] + 1` of sequence `owners[i][0]`: its
+    {token: logprob} for that prompt token and the top-N the request asked (`prompt_logprobs`)."""
+    device = logits.device
+    scores = logits.float().log_softmax(dim=-1)
+    targets = [seq.prompt_token_ids[position + 1] for seq, position in owners]
+    chosen = scores.gather(1, torch.tensor(targets, device=device).unsqueeze(1)).squeeze(1).tolist()
+    num_top = min(max(seq.params.prompt_logprobs for seq, _ in owners), scores.shape[1])
+    top_lp, top_ids = scores.topk(num_top, dim=-1) if num_top else (scores[:, :0], scores[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    entries = []
+    for i, (seq, _) in enumerate(owners):
+        entry = {targets[i]: chosen[i]}
+        n = seq.params.prompt_logprobs
+        for token_id, lp in zip(top_ids[i][:n], top_lp[i][:n]):
+            entry.setdefault(token_id, lp)
+        entries.append(entry)
+    return entries
