@@ -88,7 +88,7 @@ class FastGenServer:
     def __init__(self, options: ServerOptions) -> None:
         _use_placement_group_devices(options.engine.get("tensor_parallel"))
         self.options = options
-        self.engine = Engine(EngineConfig.from_kwargs(options.model, **options.engine))
+        self.engine = Engine.from_config(EngineConfig.from_kwargs(options.model, **options.engine))
         self.loop = EngineLoop(self.engine)
         self.gateway_app = create_app(self.loop, options.deployment_name, self.engine.tokenizer, options.model_name,
                               limits=options.limits, max_model_len=self.engine.max_model_len,

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chi2
 
 from fastgen.engine.rejection_sampler import RejectionSampler
-from fastgen.engine.sampling_metadata import SamplingMetadata, make_generator
+from fastgen.engine.step.sampling_metadata import SamplingMetadata, make_generator
 from fastgen.sampling_params import SamplingParams
 
 V = 6

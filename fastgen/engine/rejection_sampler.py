@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fastgen.engine.sampler import Sampler, _first_argmax
-from fastgen.engine.sampling_metadata import SamplingMetadata
+from fastgen.engine.step.sampler import Sampler, _first_argmax
+from fastgen.engine.step.sampling_metadata import SamplingMetadata
 
 
 @dataclass(slots=True)
