@@ -16,8 +16,8 @@ import torch
 from fastgen.engine.grammar import (GrammarCompileError, GrammarCompiler, GrammarRejected, SequenceGrammar,
                                     allocate_bitmask, apply_bitmask_, make_backend)
 from fastgen.engine.grammar import bitmask as bitmask_module
-from fastgen.engine.sampler import Sampler
-from fastgen.engine.sampling_metadata import SamplingMetadata
+from fastgen.engine.step.sampler import Sampler
+from fastgen.engine.step.sampling_metadata import SamplingMetadata
 from fastgen.sampling_params import FieldValueError, SamplingParams
 from fastgen.structured_outputs import StructuredOutputsParams
 from kit_tokenizer import build_tokenizer
