@@ -8,7 +8,8 @@ falcon-rw) are refused: our paged attention op has no ALiBi bias.
 The checkpoint's fused `query_key_value` interleaves q/k/v per KV group, rows laid out
 `[num_kv_heads, q_per_kv + 2, head_dim]` (multi-query is one group; plain multi-head is one group
 per head). `adapt_checkpoint_tensor` regroups the rows to q | k | v at load time, so the forward
-splits one contiguous projection like the Llama family does.
+splits one contiguous projection like the Llama family does (under tensor parallelism each rank
+then takes its heads of each).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastgen.models.attention import Attention, KVCache
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import get_activation, rotary_embedding
-from fastgen.ops import AttentionMetadata, attention
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from fastgen.models.decoder import DecoderLM, ShellNames
+from fastgen.models.layers import MLP
+from fastgen.ops import AttentionMetadata
 
 
 def _expected_kv_heads(raw: dict, num_heads: int) -> int:
@@ -55,57 +56,10 @@ def check_falcon_config(config: ModelConfig) -> None:
         )
 
 
-class FalconAttention(nn.Module):
-    """Rotary self-attention with one fused q|k|v projection (regrouped at load) and paged KV."""
-
-    def __init__(self, config: ModelConfig, rotary: nn.Module) -> None:
-        super().__init__()
-        bias = config.raw.get("bias", False)
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        self.query_key_value = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.dense = nn.Linear(self.q_size, config.hidden_size, bias=bias)
-        # Shared across layers; kept out of the module tree so it is neither a parameter
-        # nor registered once per layer.
-        self._rotary = [rotary]
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv_cache: KVCache
-    ) -> torch.Tensor:
-        """Attend this step's tokens `hidden` `[T, hidden]` over their sequences' cached K/V."""
-        num_tokens = hidden.shape[0]
-        q, k, v = self.query_key_value(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self._rotary[0](positions, q, k, attn_metadata.long_rope, attn_metadata.step_plans)
-        out = attention(q, k, v, kv_cache, attn_metadata, self.scale)
-        return self.dense(out.view(num_tokens, self.q_size))
-
-
-class FalconMLP(nn.Module):
-    """`dense_4h_to_h(act(dense_h_to_4h(x)))`."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        bias = config.raw.get("bias", False)
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.act = get_activation(config.raw.get("activation", "gelu"))
-        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MLP to `x` `[T, hidden]`."""
-        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
-
-
 class FalconDecoderLayer(nn.Module):
     """Parallel attention + MLP over the normed input (or sequential when `parallel_attn=False`)."""
 
-    def __init__(self, config: ModelConfig, rotary: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: nn.Module | None) -> None:
         super().__init__()
         raw = config.raw
         eps = raw.get("layer_norm_epsilon", 1e-5)
@@ -120,8 +74,10 @@ class FalconDecoderLayer(nn.Module):
             self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
         if not self.parallel:
             self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.self_attention = FalconAttention(config, rotary)
-        self.mlp = FalconMLP(config)
+        bias = raw.get("bias", False)
+        self.self_attention = Attention(config, layer_idx, rotary, qkv_bias=bias, o_bias=bias, sliding_window=0)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, raw.get("activation", "gelu"), bias=bias,
+                       tp=config.parallel)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv_cache: KVCache
@@ -139,45 +95,27 @@ class FalconDecoderLayer(nn.Module):
         return hidden + (self.mlp(mlp_in) + attn_out)
 
 
-class FalconModel(nn.Module):
-    """Embedding, decoder layers, final LayerNorm (HF's `transformer.` prefix)."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = rotary_embedding(config)
-        self.h = nn.ModuleList(FalconDecoderLayer(config, self.rotary_emb) for _ in range(config.num_layers))
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.raw.get("layer_norm_epsilon", 1e-5))
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_caches: list[KVCache],
-    ) -> torch.Tensor:
-        """Final hidden states `[T, hidden]` for the flat batch."""
-        hidden = self.word_embeddings(input_ids)
-        for layer, kv_cache in zip(self.h, kv_caches):
-            hidden = layer(positions, hidden, attn_metadata, kv_cache)
-        return self.ln_f(hidden)
-
-
-class FalconForCausalLM(nn.Module):
+class FalconForCausalLM(DecoderLM):
     """Causal LM over the Falcon decoder (rotary variants only; see `check_falcon_config`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        check_falcon_config(config)
-        self.config = config
-        self.transformer = FalconModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
+    names = ShellNames(base="transformer", embed="word_embeddings", layers="h", norm="ln_f")
+    layer_cls = FalconDecoderLayer
+    packed_modules_mapping = {
+        "query_key_value": ("qkv_proj", None),
+        "dense": ("o_proj", None),
+        "dense_h_to_4h": ("fc1", None),
+        "dense_4h_to_h": ("fc2", None),
+    }
 
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so (Falcon's default)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.transformer.word_embeddings.weight
+    @classmethod
+    def model_config(cls, config: ModelConfig) -> ModelConfig:
+        """`config`, refused unless it is a rotary Falcon (`check_falcon_config`)."""
+        check_falcon_config(config)
+        return config
+
+    def build_norm(self, config: ModelConfig) -> nn.Module:
+        """A LayerNorm with Falcon's `layer_norm_epsilon`."""
+        return nn.LayerNorm(config.hidden_size, eps=config.raw.get("layer_norm_epsilon", 1e-5))
 
     def adapt_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """Regroup a fused `query_key_value` tensor from Falcon's per-KV-group rows to q | k | v."""
@@ -193,17 +131,3 @@ class FalconForCausalLM(nn.Module):
         k = groups[:, -2].reshape(-1, *rest)
         v = groups[:, -1].reshape(-1, *rest)
         return name, torch.cat([q, k, v])
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_caches: list[KVCache],
-    ) -> torch.Tensor:
-        """Hidden states `[T, hidden]`; call `compute_logits` on the rows that need logits."""
-        return self.transformer(input_ids, positions, attn_metadata, kv_caches)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits `[N, vocab]` for the selected hidden rows."""
-        return self.lm_head(hidden).float()

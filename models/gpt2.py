@@ -4,9 +4,9 @@ Pre-LayerNorm blocks, learned absolute positions (`wpe`), a fused q|k|v projecti
 gelu_new MLP (`c_fc`/`c_proj`) and a tied LM head. Attention is scaled by head_dim**-0.5 unless
 `scale_attn_weights=False`, and further by 1/(layer index + 1) when `scale_attn_by_inverse_layer_idx`.
 
-GPT-2's checkpoints store their projections as `Conv1D` weights `[in, out]`: we keep plain
-`nn.Linear` modules and transpose those tensors at load time (`adapt_checkpoint_tensor`), which
-also accepts old files whose names lack the `transformer.` prefix and skips the causal-mask
+GPT-2's checkpoints store their projections as `Conv1D` weights `[in, out]`: we keep the shared
+attention and MLP (tensor-parallel linears) and transpose and rename those tensors at load time
+(`adapt_checkpoint_tensor`), which also accepts old files whose names lack the `transformer.` prefix and skips the causal-mask
 buffers (`attn.bias`, `attn.masked_bias`) they saved.
 """
 
@@ -15,14 +15,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastgen.models.attention import Attention, KVCache
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import get_activation
-from fastgen.ops import AttentionMetadata, attention
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from fastgen.models.decoder import DecoderLM, ShellNames
+from fastgen.models.layers import MLP
+from fastgen.ops import AttentionMetadata
 
 _CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _MASK_BUFFERS = ("bias", "masked_bias")
+# GPT-2's module names -> the shared attention's and MLP's (both call their output `c_proj`).
+_RENAMES = {".attn.qkv_proj.": ".attn.c_attn.", ".attn.o_proj.": ".attn.c_proj.", ".mlp.fc1.": ".mlp.c_fc.",
+            ".mlp.fc2.": ".mlp.c_proj."}
 
 
 def check_gpt2_config(config: ModelConfig) -> None:
@@ -39,102 +42,66 @@ def check_gpt2_config(config: ModelConfig) -> None:
         )
 
 
-class GPT2Attention(nn.Module):
-    """Multi-head self-attention over a fused `c_attn` projection, with paged KV."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        raw = config.raw
-        self.num_heads = config.num_heads
-        self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5 if raw.get("scale_attn_weights", True) else 1.0
-        if raw.get("scale_attn_by_inverse_layer_idx", False):
-            self.scale /= float(layer_idx + 1)
-        # `reorder_and_upcast_attn` only changes where HF upcasts to fp32; our attention op
-        # already computes scores and softmax in fp32, so it needs nothing here.
-        self.c_attn = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.c_proj = nn.Linear(config.hidden_size, config.hidden_size)
-
-    def forward(self, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """Attend this step's tokens `hidden` `[T, hidden]` over their sequences' cached K/V."""
-        num_tokens, width = hidden.shape
-        q, k, v = (x.view(num_tokens, self.num_heads, self.head_dim) for x in self.c_attn(hidden).split(width, dim=-1))
-        out = attention(q, k, v, kv_cache, attn_metadata, self.scale)
-        return self.c_proj(out.view(num_tokens, width))
-
-
-class GPT2MLP(nn.Module):
-    """`c_proj(act(c_fc(x)))`, gelu_new by default."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        # HF's rule: n_inner, or 4 x hidden when null (a generic intermediate_size key is ignored).
-        inner = config.raw.get("n_inner") or 4 * config.hidden_size
-        self.c_fc = nn.Linear(config.hidden_size, inner)
-        self.act = get_activation(config.raw.get("activation_function", "gelu_new"))
-        self.c_proj = nn.Linear(inner, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MLP to `x` `[T, hidden]`."""
-        return self.c_proj(self.act(self.c_fc(x)))
+def gpt2_attention(config: ModelConfig, layer_idx: int) -> Attention:
+    """Multi-head attention scaled by head_dim ** -0.5 unless `scale_attn_weights=False`, and by
+    1 / (layer index + 1) more when `scale_attn_by_inverse_layer_idx`. (`reorder_and_upcast_attn`
+    only changes where HF upcasts to fp32; our attention op computes scores and softmax in fp32.)"""
+    raw = config.raw
+    scale = config.head_dim**-0.5 if raw.get("scale_attn_weights", True) else 1.0
+    if raw.get("scale_attn_by_inverse_layer_idx", False):
+        scale /= float(layer_idx + 1)
+    return Attention(config, layer_idx, None, qkv_bias=True, o_bias=True, scale=scale, sliding_window=0)
 
 
 class GPT2Block(nn.Module):
     """Pre-LN residual block: attention then MLP."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: nn.Module | None) -> None:
         super().__init__()
         eps = config.raw.get("layer_norm_epsilon", 1e-5)
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.attn = GPT2Attention(config, layer_idx)
+        self.attn = gpt2_attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.mlp = GPT2MLP(config)
+        # HF's rule: n_inner, or 4 x hidden when null (a generic intermediate_size key is ignored).
+        inner = config.raw.get("n_inner") or 4 * config.hidden_size
+        self.mlp = MLP(config.hidden_size, inner, config.raw.get("activation_function", "gelu_new"),
+                       tp=config.parallel)
 
-    def forward(self, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
         """Run one layer over the flat batch."""
-        hidden = hidden + self.attn(self.ln_1(hidden), attn_metadata, kv_cache)
+        hidden = hidden + self.attn(positions, self.ln_1(hidden), attn_metadata, kv_cache)
         return hidden + self.mlp(self.ln_2(hidden))
 
 
-class GPT2Model(nn.Module):
-    """Token and position embeddings, blocks, final LayerNorm (HF's `transformer.` prefix)."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_layers))
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.raw.get("layer_norm_epsilon", 1e-5))
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_caches: list[KVCache],
-    ) -> torch.Tensor:
-        """Final hidden states `[T, hidden]` for the flat batch."""
-        hidden = self.wte(input_ids) + self.wpe(positions)
-        for block, kv_cache in zip(self.h, kv_caches):
-            hidden = block(hidden, attn_metadata, kv_cache)
-        return self.ln_f(hidden)
-
-
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(DecoderLM):
     """Causal LM over the GPT-2 decoder (HF's `GPT2LMHeadModel`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        check_gpt2_config(config)
-        self.config = config
-        self.transformer = GPT2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
+    names = ShellNames(base="transformer", embed="wte", layers="h", norm="ln_f")
+    layer_cls = GPT2Block
 
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so (GPT-2's default)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.body.wpe = nn.Embedding(self.config.max_position_embeddings, self.config.hidden_size)
+
+    @classmethod
+    def model_config(cls, config: ModelConfig) -> ModelConfig:
+        """`config`, refused for the GPT-2 variants fastgen cannot serve (`check_gpt2_config`)."""
+        check_gpt2_config(config)
+        return config
+
+    def build_rotary(self, config: ModelConfig) -> None:
+        """None: GPT-2 has learned absolute positions (`wpe`)."""
+        return None
+
+    def build_norm(self, config: ModelConfig) -> nn.Module:
+        """A LayerNorm with GPT-2's `layer_norm_epsilon`."""
+        return nn.LayerNorm(config.hidden_size, eps=config.raw.get("layer_norm_epsilon", 1e-5))
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token plus learned position embeddings."""
+        return self.embed_tokens(input_ids) + self.body.wpe(positions)
 
     def adapt_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         """Our name and layout for a checkpoint tensor; None for the saved attention-mask buffers."""
@@ -145,18 +112,6 @@ class GPT2LMHeadModel(nn.Module):
             name = "transformer." + name
         if name.endswith(_CONV1D_WEIGHTS):
             tensor = tensor.t()
+        for ours, theirs in _RENAMES.items():
+            name = name.replace(theirs, ours)
         return name, tensor
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_caches: list[KVCache],
-    ) -> torch.Tensor:
-        """Hidden states `[T, hidden]`; call `compute_logits` on the rows that need logits."""
-        return self.transformer(input_ids, positions, attn_metadata, kv_caches)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits `[N, vocab]` for the selected hidden rows."""
-        return self.lm_head(hidden).float()

@@ -91,6 +91,21 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate).mul_(up))
 
 
+class MLP(nn.Module):
+    """`fc2(act(fc1(x)))`, not gated: fc1 column-parallel, fc2 row-parallel (one all-reduce)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = True,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.fc1 = MergedLinear(hidden_size, [intermediate_size], bias=bias, tp=tp)
+        self.fc2 = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
+        self.act = get_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to `x` `[T, hidden]`."""
+        return self.fc2(self.act(self.fc1(x)))
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's stack of decoder layers: the `nn.ModuleList` of `config.num_layers` modules nearest
     the root (`model.layers`, `transformer.h`, ...), found by shape so no family declares it.

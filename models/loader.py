@@ -12,6 +12,7 @@ at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ from fastgen.models.config import ModelConfig, load_generation_eos, parse_dtype
 from fastgen.models.layers import decoder_layers
 from fastgen.models.parallel import SINGLE, TensorParallel, read_whole
 from fastgen.models.quant import DEFAULT_GROUP_SIZE, QuantizedLinear, quantize_decoder_linears
-from fastgen.models.registry import check_tensor_parallel_support, get_model_class
+from fastgen.models.registry import get_model_class
 
 
 class _SkipRandomInit(TorchFunctionMode):
@@ -203,6 +204,7 @@ class _WeightSink:
         `adapt_checkpoint_tensor(name, tensor) -> (name, tensor) | None`: the name and tensor in our
         layout, or None to ignore the tensor.
         """
+        source = name  # errors name the tensor as the checkpoint does
         adapt = getattr(self.model, "adapt_checkpoint_tensor", None)
         if adapt is not None:
             adapted = adapt(name, read_whole(tensor))
@@ -213,7 +215,7 @@ class _WeightSink:
         if param_name not in self.params:
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.model.config.tie_word_embeddings):
                 return
-            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self.model).__name__}")
+            raise ValueError(f"checkpoint tensor {source!r} has no place in {type(self.model).__name__}")
         module_name, _, attr = param_name.rpartition(".")
         module = self.model.get_submodule(module_name)
         sharder = getattr(module, "load_checkpoint_shard", None)
@@ -226,7 +228,7 @@ class _WeightSink:
             # Quantized as it is placed: the full-precision weight never exists beyond this one tensor.
             start, rows = (0, module.out_features) if shard is None else self._shard_rows(param_name, shard)
             if tuple(tensor.shape) != (rows, module.in_features):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                raise ValueError(f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {(rows, module.in_features)}")
             module.load_rows(start, tensor, self.device)
             self.loaded.setdefault(param_name, set()).add(piece)
@@ -235,13 +237,13 @@ class _WeightSink:
         dest = self._materialise(param_name)
         if expert is not None:
             if expert >= dest.shape[0]:
-                raise ValueError(f"checkpoint tensor {name!r} names expert {expert}, but the model has {dest.shape[0]}")
+                raise ValueError(f"checkpoint tensor {source!r} names expert {expert}, but the model has {dest.shape[0]}")
             dest = dest[expert]
         if shard is not None:
             dest = dest.narrow(0, *self._shard_rows(param_name, shard))
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
             )
         dest.copy_(tensor)
         self.loaded.setdefault(param_name, set()).add(piece if expert is None else (expert, piece))
@@ -316,6 +318,14 @@ def build_empty_model(config: ModelConfig) -> nn.Module:
     return model
 
 
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """Raise ValueError, naming what does not divide, when `config`'s model cannot be split over
+    `size` ranks (heads, KV heads, MLP or expert widths); builds it on the meta device, no process
+    group needed, so the engine can ask before it starts any worker."""
+    if size > 1:
+        build_empty_model(dataclasses.replace(config, parallel=TensorParallel(rank=0, size=size, group=object())))
+
+
 def load_model(
     model_name_or_path: str,
     dtype: torch.dtype | str | None = None,
@@ -341,8 +351,6 @@ def load_model(
     config = ModelConfig.from_file(config_path)
     config.parallel = parallel
     get_model_class(config.model_type)  # an unsupported family fails before any weight file is opened
-    if parallel.size > 1:
-        check_tensor_parallel_support(config.model_type)
     gguf_file = gguf_format.gguf_source(model_dir)
     files = [] if gguf_file is not None else _safetensors_files(model_dir)
     dtype = parse_dtype(dtype) or config.dtype or torch.float32

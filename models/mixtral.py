@@ -9,8 +9,7 @@ Checkpoint names: real checkpoints (and transformers 5's default `save_pretraine
 transformers 5 with `save_original_format=False` writes `mlp.gate.weight` and the stacked
 `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`. Both load.
 
-`MoeModel` and `MixtralForCausalLM` take their decoder layer class from the causal-LM class, so
-the Qwen MoE families reuse them with their own layer (`qwen_moe.py`).
+The Qwen MoE families reuse `MixtralForCausalLM` with their own layer (`qwen_moe.py`).
 """
 
 from __future__ import annotations
@@ -18,20 +17,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastgen.models.attention import KVCache
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import QKV_PACKING, RMSNorm, rotary_embedding
-from fastgen.models.llama import LlamaAttention
+from fastgen.models.decoder import DecoderLM
+from fastgen.models.layers import QKV_PACKING, RMSNorm
+from fastgen.models.llama import llama_attention
 from fastgen.models.moe import MoeConfig, SparseMoeBlock
-from fastgen.models.parallel import ParallelLMHead, VocabParallelEmbedding
 from fastgen.ops import AttentionMetadata
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class MixtralDecoderLayer(nn.Module):
     """Pre-norm residual block: attention then the sparse MoE layer."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: nn.Module | None) -> None:
         super().__init__()
         moe = MoeConfig.from_model_config(
             config,
@@ -41,7 +39,7 @@ class MixtralDecoderLayer(nn.Module):
             hidden_act=config.hidden_act,
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.self_attn = llama_attention(config, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.block_sparse_moe = SparseMoeBlock(config.hidden_size, moe, config.parallel)
 
@@ -53,42 +51,16 @@ class MixtralDecoderLayer(nn.Module):
         return hidden + self.block_sparse_moe(self.post_attention_layernorm(hidden))
 
 
-class MoeModel(nn.Module):
-    """Embedding, decoder layers of class `layer_cls`, final norm (HF's `model.` prefix)."""
-
-    def __init__(self, config: ModelConfig, layer_cls: type[nn.Module]) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.parallel)
-        self.rotary_emb = rotary_embedding(config)
-        self.layers = nn.ModuleList(layer_cls(config, i, self.rotary_emb) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_caches: list[KVCache],
-    ) -> torch.Tensor:
-        """Final hidden states `[T, hidden]` for the flat batch."""
-        hidden = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, attn_metadata, kv_cache)
-        return self.norm(hidden)
-
-
-class MixtralForCausalLM(nn.Module):
+class MixtralForCausalLM(DecoderLM):
     """Causal LM over the Mixtral decoder."""
 
-    decoder_layer_cls: type[nn.Module] = MixtralDecoderLayer
-    """The decoder layer the model stacks (subclasses for other MoE families swap it)."""
+    layer_cls = MixtralDecoderLayer
 
     packed_modules_mapping = {
         **QKV_PACKING,
         # transformers 5's fused layout calls the MoE layer `mlp`: a plain rename (no shard).
         "mlp": ("block_sparse_moe", None),
     }
-    """Checkpoint module name -> (our module, shard index or None for a plain rename)."""
 
     stacked_experts_mapping = {
         "w1": ("gate_up_proj", 0),
@@ -96,32 +68,3 @@ class MixtralForCausalLM(nn.Module):
         "w2": ("down_proj", None),
     }
     """Per-expert checkpoint module `experts.{i}.<name>` -> (our stacked parameter, shard index)."""
-
-    supports_tensor_parallel = True
-    """Attention, experts, embedding and LM head are all `parallel.py` layers."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = MoeModel(config, self.decoder_layer_cls)
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, config.parallel)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_caches: list[KVCache],
-    ) -> torch.Tensor:
-        """Hidden states `[T, hidden]`; call `compute_logits` on the rows that need logits."""
-        return self.model(input_ids, positions, attn_metadata, kv_caches)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """fp32 logits `[N, vocab]` for the selected hidden rows (None on tensor-parallel ranks > 0)."""
-        return self.lm_head.logits(hidden)

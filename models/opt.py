@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastgen.models.attention import Attention, KVCache
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import MergedLinear, QKV_PACKING, get_activation
-from fastgen.ops import AttentionMetadata, attention
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from fastgen.models.decoder import DecoderLM, ShellNames
+from fastgen.models.layers import QKV_PACKING, get_activation
+from fastgen.models.parallel import MergedLinear, RowParallelLinear
+from fastgen.ops import AttentionMetadata
 
 POSITION_OFFSET = 2
 """OPT's learned position table starts at row 2: position p reads row p + 2."""
@@ -27,142 +28,94 @@ def _layer_norm(config: ModelConfig, dim: int) -> nn.LayerNorm:
     return nn.LayerNorm(dim, elementwise_affine=config.raw.get("layer_norm_elementwise_affine", True))
 
 
-class OPTAttention(nn.Module):
-    """Multi-head self-attention with merged q/k/v and paged KV; no rotary (positions are added)."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        bias = config.raw.get("enable_bias", True)
-        self.num_heads = config.num_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.scaling = self.head_dim**-0.5
-        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size] * 3, bias=bias)
-        self.out_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
-
-    def forward(self, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """Attend this step's tokens `hidden` `[T, hidden]` over their sequences' cached K/V."""
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.q_size, dim=-1)
-        # HF scales the projected queries and attends with scale 1: same rounding as theirs.
-        q = (q * self.scaling).view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_heads, self.head_dim)
-        out = attention(q, k, v, kv_cache, attn_metadata, 1.0)
-        return self.out_proj(out.view(num_tokens, self.q_size))
-
-
 class OPTDecoderLayer(nn.Module):
     """Attention then MLP, each with a residual; LayerNorm before (pre-LN) or after (post-LN) each."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: nn.Module | None) -> None:
         super().__init__()
         bias = config.raw.get("enable_bias", True)
+        tp = config.parallel
         self.norm_before = config.raw.get("do_layer_norm_before", True)
-        self.self_attn = OPTAttention(config)
+        # HF scales the projected queries and attends with scale 1: same rounding as theirs.
+        self.self_attn = Attention(config, layer_idx, None, qkv_bias=bias, o_bias=bias, sliding_window=0,
+                                   prescale_query=True)
         self.self_attn_layer_norm = _layer_norm(config, config.hidden_size)
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.fc1 = MergedLinear(config.hidden_size, [config.intermediate_size], bias=bias, tp=tp)
+        self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, tp=tp)
         self.act = get_activation(config.raw.get("activation_function", "relu"))
         self.final_layer_norm = _layer_norm(config, config.hidden_size)
 
-    def forward(self, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
         """Run one layer over the flat batch."""
         if self.norm_before:
-            hidden = hidden + self.self_attn(self.self_attn_layer_norm(hidden), attn_metadata, kv_cache)
+            hidden = hidden + self.self_attn(positions, self.self_attn_layer_norm(hidden), attn_metadata, kv_cache)
             return hidden + self.fc2(self.act(self.fc1(self.final_layer_norm(hidden))))
-        hidden = self.self_attn_layer_norm(hidden + self.self_attn(hidden, attn_metadata, kv_cache))
+        hidden = self.self_attn_layer_norm(hidden + self.self_attn(positions, hidden, attn_metadata, kv_cache))
         return self.final_layer_norm(hidden + self.fc2(self.act(self.fc1(hidden))))
 
 
-class OPTDecoder(nn.Module):
-    """Token + position embeddings, layers, final norm, with the optional embedding projections."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        raw = config.raw
-        embed_dim = raw.get("word_embed_proj_dim") or config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, embed_dim)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
-        self.project_in = self.project_out = None
-        if embed_dim != config.hidden_size:
-            self.project_in = nn.Linear(embed_dim, config.hidden_size, bias=False)
-            self.project_out = nn.Linear(config.hidden_size, embed_dim, bias=False)
-        # Post-LN models have no final norm; `_remove_final_layer_norm` marks pre-4.20 fine-tunes without one.
-        self.final_layer_norm = None
-        if raw.get("do_layer_norm_before", True) and not raw.get("_remove_final_layer_norm", False):
-            self.final_layer_norm = _layer_norm(config, config.hidden_size)
-        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_layers))
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_caches: list[KVCache],
-    ) -> torch.Tensor:
-        """Hidden states `[T, word_embed_proj_dim]` for the flat batch."""
-        hidden = self.embed_tokens(input_ids)
-        if self.project_in is not None:
-            hidden = self.project_in(hidden)
-        hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, attn_metadata, kv_cache)
-        if self.final_layer_norm is not None:
-            hidden = self.final_layer_norm(hidden)
-        if self.project_out is not None:
-            hidden = self.project_out(hidden)
-        return hidden
-
-
-class OPTModel(nn.Module):
-    """HF's `model.` level: it only holds the decoder."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.decoder = OPTDecoder(config)
-
-
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(DecoderLM):
     """Causal LM over the OPT decoder; the LM head reads the (projected) embedding width."""
 
-    packed_modules_mapping = dict(QKV_PACKING)
-    """Checkpoint module name -> (our merged module, shard index); the loader uses it."""
+    names = ShellNames(base="model.decoder", norm="final_layer_norm")
+    layer_cls = OPTDecoderLayer
+    packed_modules_mapping = {**QKV_PACKING, "out_proj": ("o_proj", None)}
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
+        super().__init__(config)
+        config = self.config
+        decoder = self.body
+        decoder.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
+        decoder.project_in = decoder.project_out = None
+        if self.embed_dim != config.hidden_size:
+            decoder.project_in = nn.Linear(self.embed_dim, config.hidden_size, bias=False)
+            decoder.project_out = nn.Linear(config.hidden_size, self.embed_dim, bias=False)
+
+    @classmethod
+    def model_config(cls, config: ModelConfig) -> ModelConfig:
+        """`config`, refused when it claims grouped-query attention (OPT has none)."""
         if config.num_kv_heads != config.num_heads:
             raise ValueError(
                 f"opt config gives {config.num_kv_heads} key/value heads for {config.num_heads} query heads; "
                 "OPT attention has no grouped-query variant (drop num_key_value_heads from config.json)"
             )
-        self.config = config
-        self.model = OPTModel(config)
-        embed_dim = config.raw.get("word_embed_proj_dim") or config.hidden_size
-        self.lm_head = nn.Linear(embed_dim, config.vocab_size, bias=False)
-        self.tie_weights()
+        return config
 
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so (OPT's default)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.decoder.embed_tokens.weight
+    @property
+    def embed_dim(self) -> int:
+        """`word_embed_proj_dim` when set: the embedding and LM head width, projected to/from hidden."""
+        return self.config.raw.get("word_embed_proj_dim") or self.config.hidden_size
+
+    def build_rotary(self, config: ModelConfig) -> None:
+        """None: OPT has learned absolute positions."""
+        return None
+
+    def build_norm(self, config: ModelConfig) -> nn.Module | None:
+        """Pre-LN models end with a norm; post-LN ones (opt-350m) and pre-4.20 fine-tunes marked
+        `_remove_final_layer_norm` have none."""
+        raw = config.raw
+        if raw.get("do_layer_norm_before", True) and not raw.get("_remove_final_layer_norm", False):
+            return _layer_norm(config, config.hidden_size)
+        return None
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embedding (projected in) plus the learned position embedding."""
+        decoder = self.body
+        hidden = self.embed_tokens(input_ids)
+        if decoder.project_in is not None:
+            hidden = decoder.project_in(hidden)
+        return hidden + decoder.embed_positions(positions + POSITION_OFFSET)
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm (if any), then projected out to the embedding width."""
+        hidden = super().finish(hidden)
+        project_out = self.body.project_out
+        return hidden if project_out is None else project_out(hidden)
 
     def adapt_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """Give old checkpoints' bare `decoder.` names HF's `model.decoder.` prefix."""
         if name.startswith("decoder."):
             name = "model." + name
         return name, tensor
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_caches: list[KVCache],
-    ) -> torch.Tensor:
-        """Hidden states `[T, word_embed_proj_dim]`; call `compute_logits` on the rows that need logits."""
-        return self.model.decoder(input_ids, positions, attn_metadata, kv_caches)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits `[N, vocab]` for the selected hidden rows."""
-        return self.lm_head(hidden).float()

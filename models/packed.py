@@ -81,10 +81,11 @@ class PackedLMHead(nn.Module):
         self.weight = head.weight if tied else None
         self.register_buffer("gemv_weight", _grouped(head.weight if tied or gemv else None, threads),
                              persistent=False)
+        self.bias = head.bias
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary rows of the logits, in the hidden dtype (what `nn.Linear` returns)."""
-        return apply_packed_linear(hidden, self.packed_weight, None, self.out_features, self.gemv_weight)
+        return apply_packed_linear(hidden, self.packed_weight, self.bias, self.out_features, self.gemv_weight)
 
     # The head's own gather-to-rank-0 and fp32 cast, over this module's `forward`.
     logits = ParallelLMHead.logits

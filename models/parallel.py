@@ -214,10 +214,12 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class ParallelLMHead(nn.Linear):
-    """LM head over this rank's vocabulary rows (shaped like `VocabParallelEmbedding`, so it can be tied)."""
+    """LM head over this rank's vocabulary rows (shaped like `VocabParallelEmbedding`, so it can be tied).
 
-    def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel = SINGLE) -> None:
-        super().__init__(hidden_size, -(-vocab_size // tp.size), bias=False)
+    A bias (Phi) is split like the rows it belongs to."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel = SINGLE, bias: bool = False) -> None:
+        super().__init__(hidden_size, -(-vocab_size // tp.size), bias=bias)
         self.tp = tp
         self.vocab_size = vocab_size
 
@@ -229,5 +231,5 @@ class ParallelLMHead(nn.Linear):
         return None if full is None else full[:, : self.vocab_size].float()
 
     def load_checkpoint_shard(self, attr: str, shard: int | None, full) -> torch.Tensor:
-        """This rank's vocabulary rows."""
+        """This rank's vocabulary rows (of the weight or the bias)."""
         return _vocab_rows(full, self.tp, self.out_features)

@@ -53,5 +53,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     """HF's Phi-3 generation recomputes a sequence's cache with the long factors when it outgrows
     `original_max_position_embeddings` (`prepare_inputs_for_generation`); see `LongRopeSwitch`."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(phi3_model_config(config))
+    @classmethod
+    def model_config(cls, config: ModelConfig) -> ModelConfig:
+        """The config with Phi-3's rope settings (`phi3_model_config`)."""
+        return phi3_model_config(config)

@@ -16,16 +16,13 @@ Checkpoints name the MoE layer `mlp` with per-expert `mlp.experts.{i}.gate_proj/
 
 from __future__ import annotations
 
-
-import torch
 from torch import nn
 
 from fastgen.models.config import ModelConfig
-from fastgen.models.layers import GATE_UP_PACKING, GatedMLP, QKV_PACKING, RMSNorm
-from fastgen.models.llama import LlamaAttention
-from fastgen.models.mixtral import KVCache, MixtralForCausalLM
+from fastgen.models.layers import GATE_UP_PACKING, GatedMLP, QKV_PACKING
+from fastgen.models.llama import LlamaDecoderLayer, llama_attention
+from fastgen.models.mixtral import MixtralForCausalLM
 from fastgen.models.moe import MoeConfig, SparseMoeBlock
-from fastgen.ops import AttentionMetadata
 
 
 def is_sparse_layer(config: ModelConfig, layer_idx: int) -> bool:
@@ -54,38 +51,32 @@ def moe_config(config: ModelConfig) -> MoeConfig:
 
 
 def attention_options(config: ModelConfig) -> dict[str, bool]:
-    """`LlamaAttention` options: these families attend exactly like their dense siblings
-    (Qwen2: q/k/v biases unless `qkv_bias` is false, no o_proj bias; Qwen3: q/k RMSNorm)."""
+    """`llama_attention` options: these families attend exactly like their dense siblings
+    (Qwen2: q/k/v biases unless `qkv_bias` is false, no o_proj bias; Qwen3: q/k RMSNorm, which
+    `llama_attention` adds for qwen3_moe)."""
     if config.model_type == "qwen3_moe":
-        return {"qk_norm": True}
+        return {}
     return {"qkv_bias": bool(config.raw.get("qkv_bias", True)), "o_bias": False}
 
 
-class QwenMoeDecoderLayer(nn.Module):
+class QwenMoeDecoderLayer(LlamaDecoderLayer):
     """Pre-norm residual block: attention then the sparse MoE layer or a dense gated MLP."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: nn.Module) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary, **attention_options(config))
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if is_sparse_layer(config, layer_idx):
-            self.mlp = SparseMoeBlock(config.hidden_size, moe_config(config), config.parallel)
-        else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=config.parallel)
+    def build_attention(self, config: ModelConfig, layer_idx: int, rotary: nn.Module | None) -> nn.Module:
+        """The dense sibling's attention (`attention_options`)."""
+        return llama_attention(config, layer_idx, rotary, **attention_options(config))
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv_cache: KVCache
-    ) -> torch.Tensor:
-        """Run one layer over the flat batch."""
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata, kv_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """The MoE block on sparse layers (`is_sparse_layer`), else a dense gated MLP."""
+        if is_sparse_layer(config, layer_idx):
+            return SparseMoeBlock(config.hidden_size, moe_config(config), config.parallel)
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=config.parallel)
 
 
 class QwenMoeForCausalLM(MixtralForCausalLM):
     """Causal LM over the Qwen MoE decoder; serves qwen2_moe and qwen3_moe checkpoints."""
 
-    decoder_layer_cls = QwenMoeDecoderLayer
+    layer_cls = QwenMoeDecoderLayer
 
     packed_modules_mapping = {**QKV_PACKING, **GATE_UP_PACKING}
     """Checkpoint module name -> (our merged module, shard index): attention, dense MLPs, shared expert."""

@@ -8,6 +8,7 @@ from torch import nn
 
 from fastgen.models.falcon import FalconForCausalLM
 from fastgen.models.gemma import GemmaForCausalLM
+from fastgen.models.gemma3 import Gemma3ForCausalLM
 from fastgen.models.gpt2 import GPT2LMHeadModel
 from fastgen.models.llama import LlamaForCausalLM
 from fastgen.models.mixtral import MixtralForCausalLM
@@ -31,6 +32,7 @@ MODEL_REGISTRY: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "phi3": Phi3ForCausalLM,
     "gemma": GemmaForCausalLM,
     "gemma2": GemmaForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 })
 """Every supported `model_type` and the class that serves it."""
 
@@ -48,10 +50,3 @@ def get_model_class(model_type: str) -> type[nn.Module]:
         )
     return MODEL_REGISTRY[model_type]
 
-
-def check_tensor_parallel_support(model_type: str) -> None:
-    """Raise NotImplementedError unless `model_type`'s class is built from the tensor-parallel layers."""
-    if not getattr(get_model_class(model_type), "supports_tensor_parallel", False):
-        supported = sorted(t for t, cls in MODEL_REGISTRY.items() if getattr(cls, "supports_tensor_parallel", False))
-        raise NotImplementedError(f"tensor_parallel > 1 is not implemented for {model_type!r} yet "
-                                  f"(supported: {', '.join(supported)}); use tensor_parallel=1 or replicas")

@@ -96,12 +96,24 @@ TINY_CONFIGS: dict[str, tuple[type, dict]] = {
         dict(head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=8.0,
              sliding_window=12, tie_word_embeddings=False),
     ),
+    # Local and global layers (window 12 < the longer prompts) with their own rope bases, linear
+    # scaling on the global one, query_pre_attn_scalar, per-head q/k norms, four norms per layer.
+    # Untied for the reason gemma2 is.
+    "gemma3_text": (
+        transformers.Gemma3TextConfig,
+        dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=12, tie_word_embeddings=False,
+             layer_types=["sliding_attention", "full_attention"],
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
+    ),
 }
 
 
 def _rope_kwargs(cls: type, extra: dict) -> dict:
     """transformers 5 takes rope settings as `rope_parameters`; 4.x as rope_theta/rope_scaling."""
     extra = dict(extra)
+    if "rope_parameters" in extra:  # given per layer type (Gemma 3): as it is
+        return extra
     scaling = extra.pop("rope_scaling", None)
     theta = extra.pop("rope_theta", 10000.0)
     if "rope_parameters" in cls.__init__.__code__.co_varnames or transformers.__version__ >= "5":

@@ -17,8 +17,7 @@ from fastgen.config import EngineConfig
 from fastgen.executor.distributed import TensorParallelGroup, torchrun_env
 from fastgen.executor.runner import ModelRunner, RunnerSpec, kv_bytes_per_block, load_for_spec
 from fastgen.models.config import ModelConfig
-from fastgen.models.loader import resolve_model_dir
-from fastgen.models.registry import check_tensor_parallel_support
+from fastgen.models.loader import check_tensor_parallel, resolve_model_dir
 from fastgen.planning.hardware import detect_hardware
 from fastgen.planning.model_facts import model_facts
 from fastgen.planning.plan import Plan
@@ -74,7 +73,7 @@ def build_runner(config: EngineConfig, plan: Plan) -> BuiltRunner:
     threads_before = torch.get_num_threads()
     group = None
     if plan.tensor_parallel > 1:
-        check_tensor_parallel_support(model_config.model_type)
+        check_tensor_parallel(model_config, plan.tensor_parallel)
         group = TensorParallelGroup(plan.tensor_parallel, device.type, device.index or 0)
         model_config.parallel = group.parallel
     try:
