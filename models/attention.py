@@ -42,14 +42,15 @@ class ShardedRMSNorm(nn.Module):
         return read_slice(full, 0, self.start, self.local_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise `x` `[T, local_dim]` by the mean square over all `dim` columns (fp32, as HF)."""
+        """Normalise `x` `[T, local_dim]` by the mean square over all `dim` columns (fp32 and the weight
+        multiplied before the cast back, as HF's OLMo 2 does)."""
         dtype = x.dtype
         x = x.float()
         if self.tp.size == 1:
             variance = x.pow(2).mean(-1, keepdim=True)
         else:
             variance = all_reduce(x.pow(2).sum(-1, keepdim=True), self.tp) / self.dim
-        return self.weight * (x * torch.rsqrt(variance + self.eps)).to(dtype)
+        return (self.weight * (x * torch.rsqrt(variance + self.eps))).to(dtype)
 
 
 class Attention(nn.Module):

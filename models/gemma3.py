@@ -23,32 +23,11 @@ from torch import nn
 from fastgen.models.attention import Attention
 from fastgen.models.config import ModelConfig
 from fastgen.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaRMSNorm, gemma_attention, gemma_model_config
-from fastgen.models.rope import build_rotary_embedding
+from fastgen.models.layers import layer_type_rope_parameters, layer_type_rotaries
 
-LAYER_TYPES = ("sliding_attention", "full_attention")
-"""The `layer_types` entries Gemma 3 defines."""
 
 _DEFAULT_THETA = {"sliding_attention": 10_000.0, "full_attention": 1_000_000.0}
-
-
-def gemma3_rope_parameters(raw: dict) -> dict[str, dict]:
-    """Per layer type, the rope dict (`rope_type`, `rope_theta`, scaling keys), from transformers 5's
-    nested `rope_parameters` or 4.x's `rope_theta` / `rope_local_base_freq` / `rope_scaling`."""
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and any(t in params for t in LAYER_TYPES):
-        unknown = sorted(set(params) - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"gemma3_text rope_parameters has entries for unknown layer types {unknown}")
-        out = {t: dict(params.get(t) or {}) for t in LAYER_TYPES}
-    else:
-        scaling = dict(raw.get("rope_scaling") or {})
-        out = {"sliding_attention": {"rope_theta": raw.get("rope_local_base_freq")},
-               "full_attention": {**scaling, "rope_theta": raw.get("rope_theta")}}
-    for layer_type, rope in out.items():
-        rope["rope_type"] = rope.pop("rope_type", rope.pop("type", "default")) or "default"
-        if rope.get("rope_theta") is None:
-            rope["rope_theta"] = _DEFAULT_THETA[layer_type]
-    return out
+_LEGACY_THETA_KEYS = {"sliding_attention": "rope_local_base_freq", "full_attention": "rope_theta"}
 
 
 def gemma3_model_config(config: ModelConfig) -> ModelConfig:
@@ -82,7 +61,6 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
     """Causal LM over Gemma 3's text decoder."""
 
     layer_cls = Gemma3DecoderLayer
-    supported_layer_types = frozenset(LAYER_TYPES)
 
     @classmethod
     def model_config(cls, config: ModelConfig) -> ModelConfig:
@@ -90,11 +68,5 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
         return gemma3_model_config(config)
 
     def build_rotary(self, config: ModelConfig) -> nn.Module:
-        """Both rotaries, as `sliding_attention` and `full_attention` children (one table each)."""
-        rotaries = nn.Module()
-        for layer_type, rope in gemma3_rope_parameters(config.raw).items():
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-            setattr(rotaries, layer_type, build_rotary_embedding(
-                head_dim=config.head_dim, rotary_dim=config.head_dim, max_position=config.max_position_embeddings,
-                base=float(rope["rope_theta"]), rope_scaling=None if scaling["rope_type"] == "default" else scaling))
-        return rotaries
+        """Both rotaries, as `sliding_attention` and `full_attention` children."""
+        return layer_type_rotaries(config, layer_type_rope_parameters(config.raw, _DEFAULT_THETA, _LEGACY_THETA_KEYS))

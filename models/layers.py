@@ -31,6 +31,40 @@ def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
         rope_scaling=config.rope_scaling,
     )
 
+def layer_type_rope_parameters(raw: dict, default_theta: dict[str, float],
+                               legacy_theta_keys: dict[str, str]) -> dict[str, dict]:
+    """Per layer type (`sliding_attention`, `full_attention`), the rope dict of a model whose layer
+    kinds rotate differently (Gemma 3, OLMo 3): transformers 5's nested `rope_parameters`, or 4.x's
+    top-level keys (`legacy_theta_keys[type]` names each kind's base; `rope_scaling` applies to the
+    full layers, as transformers 5 converts it). Bases default to `default_theta`."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and any(t in params for t in default_theta):
+        unknown = sorted(set(params) - set(default_theta))
+        if unknown:
+            raise ValueError(f"{raw.get('model_type')} rope_parameters has entries for unknown layer types {unknown}")
+        out = {t: dict(params.get(t) or {}) for t in default_theta}
+    else:
+        out = {t: {"rope_theta": raw.get(key)} for t, key in legacy_theta_keys.items()}
+        out["full_attention"].update(raw.get("rope_scaling") or {})
+    for layer_type, rope in out.items():
+        rope["rope_type"] = rope.pop("rope_type", rope.pop("type", "default")) or "default"
+        if rope.get("rope_theta") is None:
+            rope["rope_theta"] = default_theta[layer_type]
+    return out
+
+
+def layer_type_rotaries(config: ModelConfig, rope_parameters: dict[str, dict]) -> nn.Module:
+    """One rotary per layer type, as children named by the type (the layers pick theirs)."""
+    rotaries = nn.Module()
+    for layer_type, rope in rope_parameters.items():
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        setattr(rotaries, layer_type, build_rotary_embedding(
+            head_dim=config.head_dim, rotary_dim=int(config.head_dim * config.partial_rotary_factor),
+            max_position=config.max_position_embeddings, base=float(rope["rope_theta"]),
+            rope_scaling=None if scaling["rope_type"] == "default" else scaling))
+    return rotaries
+
+
 _ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,

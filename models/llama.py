@@ -1,8 +1,9 @@
-"""The Llama family: llama, mistral, qwen2, qwen3.
+"""The Llama family: llama, mistral, qwen2, qwen3, smollm3.
 
 They share one decoder: pre-norm attention + gated MLP, rotary positions, GQA. What differs is
 small and read from the config: biases on q/k/v (Qwen2) or everywhere (`attention_bias`),
-per-head q/k RMSNorm (Qwen3), sliding windows (Mistral, Qwen2/3 when enabled), explicit head_dim.
+per-head q/k RMSNorm (Qwen3), sliding windows (Mistral, Qwen2/3 when enabled), explicit head_dim,
+layers without rotary (SmolLM3's NoPE layers, `no_rope_layers`).
 The embedding, final norm and head are the shell's (`decoder.py`).
 """
 
@@ -20,6 +21,18 @@ from fastgen.models.layers import GATE_UP_PACKING, GatedMLP, QKV_PACKING, RMSNor
 from fastgen.ops import AttentionMetadata
 
 
+def rope_layers(config: ModelConfig) -> list[bool]:
+    """Per layer, whether it rotates q/k: `no_rope_layers` (1 = rotary, 0 = NoPE, HF's naming), by
+    default every `no_rope_layer_interval`-th layer (4) without (SmolLM3, Llama 4)."""
+    flags = config.raw.get("no_rope_layers")
+    if flags is None:
+        interval = config.raw.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(config.num_layers)]
+    if len(flags) != config.num_layers:
+        raise ValueError(f"{config.model_type} no_rope_layers has {len(flags)} entries for {config.num_layers} layers")
+    return [bool(f) for f in flags]
+
+
 def llama_attention(config: ModelConfig, layer_idx: int, rotary: nn.Module | None, **options) -> Attention:
     """Llama-family attention with the biases and q/k norms the config's family implies; `options`
     override them (the MoE siblings pass their own)."""
@@ -28,6 +41,8 @@ def llama_attention(config: ModelConfig, layer_idx: int, rotary: nn.Module | Non
                     o_bias=config.attention_bias and config.model_type != "qwen2")
     if config.model_type in ("qwen3", "qwen3_moe"):
         defaults["head_norm"] = functools.partial(RMSNorm, eps=config.rms_norm_eps)
+    if config.model_type == "smollm3" and not rope_layers(config)[layer_idx]:
+        rotary = None
     return Attention(config, layer_idx, rotary, **{**defaults, **options})
 
 
@@ -60,7 +75,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(DecoderLM):
-    """Causal LM over the Llama decoder; serves llama, mistral, qwen2 and qwen3 checkpoints."""
+    """Causal LM over the Llama decoder; serves llama, mistral, qwen2, qwen3 and smollm3 checkpoints."""
 
     layer_cls = LlamaDecoderLayer
     packed_modules_mapping = {**QKV_PACKING, **GATE_UP_PACKING}

@@ -154,7 +154,9 @@ class _WeightSink:
         """Our parameter name, shard index and expert index for a checkpoint tensor name.
 
         `<prefix>.<i>.<module>.weight` with `<module>` in the model's `stacked_experts_mapping`
-        (`{module: (parameter, shard)}`) goes to expert `i` of our `<prefix>.<parameter>`.
+        (`{module: (parameter, shard)}`) goes to expert `i` of our `<prefix>.<parameter>`. Plain
+        renames (shard None) apply to every component they name (`shared_experts.gate_proj` is
+        renamed, then packed).
         """
         parts = name.split(".")
         for i, part in enumerate(parts):
@@ -163,8 +165,10 @@ class _WeightSink:
                 return ".".join(parts[: i - 1] + [stacked]), shard, int(parts[i - 1])
             if part in self.packed:
                 merged, shard = self.packed[part]
-                return ".".join(parts[:i] + [merged] + parts[i + 1 :]), shard, None
-        return name, None, None
+                parts[i] = merged
+                if shard is not None:
+                    return ".".join(parts), shard, None
+        return ".".join(parts), None, None
 
     def _shard_sizes(self, param_name: str) -> list[int] | None:
         """Rows of each shard packed into `param_name` (per expert if stacked), None if not packed.

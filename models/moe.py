@@ -1,8 +1,10 @@
-"""The sparse mixture-of-experts layer shared by mixtral, qwen2_moe and qwen3_moe.
+"""The sparse mixture-of-experts layer shared by mixtral, qwen2_moe, qwen3_moe and glm4_moe.
 
 A router (one linear) scores the experts per token; softmax in fp32, top-k, and optionally the
 top-k weights renormalised to sum to one (Mixtral always, the Qwen MoEs when `norm_topk_prob`);
-each token's output is the weighted sum of its k experts' gated MLPs.
+or (GLM-4.5) sigmoid scores, a correction bias steering the choice, group-limited top-k and a
+scaling factor (`route_grouped`). Each token's output is the weighted sum of its k experts'
+gated MLPs, plus an always-on shared expert where the family has one.
 
 Expert weights are stacked, exactly as transformers 5 holds them in memory:
 `experts.gate_up_proj [E, 2*I, H]` (gate rows then up rows) and `experts.down_proj [E, H, I]`.
@@ -43,7 +45,19 @@ class MoeConfig:
     hidden_act: str = "silu"
     """Activation of the experts' gated MLPs."""
     shared_expert_intermediate_size: int = 0
-    """Width of an always-on shared expert with a sigmoid gate (Qwen2-MoE); 0 = none."""
+    """Width of an always-on shared expert (all shared experts together); 0 = none."""
+    shared_expert_gate: bool = True
+    """The shared expert's output is scaled by a sigmoid gate (Qwen2-MoE); False: added as it is (GLM-4.5)."""
+    scoring: str = "softmax"
+    """Router scores: "softmax" over the experts, or "sigmoid" per expert (GLM-4.5, DeepSeek-V3)."""
+    score_correction_bias: bool = False
+    """The router holds `e_score_correction_bias`, added to the scores for the choice only (not the weights)."""
+    num_groups: int = 1
+    """Expert groups; a token picks its experts within its `topk_groups` best groups (each scored by its top two)."""
+    topk_groups: int = 1
+    """Groups a token may route into."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routing weights (after renormalisation)."""
 
     def __post_init__(self) -> None:
         """Refuse settings no MoE layer can run with, naming the field."""
@@ -58,6 +72,13 @@ class MoeConfig:
                 f"MoE shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}"
             )
         get_activation(self.hidden_act)
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.num_groups < 1 or self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"MoE groups: {self.num_experts} experts in {self.num_groups} groups, top {self.topk_groups} "
+                             "groups: the groups must divide the experts and topk_groups lie in [1, groups]")
+        if self.num_groups > 1 and self.scoring != "sigmoid":
+            raise ValueError("MoE expert groups are implemented for sigmoid scoring only (n_group > 1 with softmax)")
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, keys: dict[str, tuple[str, ...]], **fixed) -> "MoeConfig":
@@ -83,6 +104,37 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_grouped(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, moe: MoeConfig
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 routing weights and expert ids `[T, k]` of a sigmoid router with group-limited top-k
+    (GLM-4.5's and DeepSeek-V3's `noaux_tc`), in transformers' order of operations: the
+    correction bias steers the choice, the weights are the plain sigmoid scores."""
+    num_tokens, num_experts = router_logits.shape
+    scores = router_logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if moe.num_groups > 1:
+        grouped = choice.view(num_tokens, moe.num_groups, num_experts // moe.num_groups)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        group_ids = torch.topk(group_scores, k=moe.topk_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+    ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
+
+
+class Router(nn.Linear):
+    """The router's linear (`gate.weight` `[E, H]`), with `e_score_correction_bias` when the MoE has one."""
+
+    def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
+        super().__init__(hidden_size, moe.num_experts, bias=False)
+        if moe.score_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts))
 
 
 class StackedExperts(nn.Module):
@@ -166,8 +218,9 @@ class StackedExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router + stacked experts (+ an optional gated shared expert), in place of a dense MLP.
 
-    Parameter names follow transformers: `gate.weight` (the router), `experts.gate_up_proj`,
-    `experts.down_proj`, and for Qwen2-MoE `shared_expert.*` and `shared_expert_gate.weight`.
+    Parameter names follow transformers: `gate.weight` (the router; `gate.e_score_correction_bias`
+    for sigmoid routers), `experts.gate_up_proj`, `experts.down_proj`, and for Qwen2-MoE
+    `shared_expert.*` and `shared_expert_gate.weight` (GLM-4.5's `shared_experts` is renamed to it).
     """
 
     unquantized_children = ("gate", "shared_expert_gate")
@@ -177,21 +230,31 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.tp = tp
+        self.moe = moe
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.gate = Router(hidden_size, moe)
         self.experts = StackedExperts(moe.num_experts, hidden_size, moe.intermediate_size, moe.hidden_act, tp)
         self.has_shared_expert = moe.shared_expert_intermediate_size > 0
+        self.gated_shared_expert = self.has_shared_expert and moe.shared_expert_gate
         if self.has_shared_expert:
             self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, moe.hidden_act,
                                           tp=tp, reduce=False)
+        if self.gated_shared_expert:
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Apply the layer to `hidden` `[T, H]`."""
-        topk_weights, topk_ids = route(self.gate(hidden), self.top_k, self.renormalize)
+        if self.moe.scoring == "sigmoid":
+            # transformers runs this router in fp32 whatever the model dtype.
+            logits = F.linear(hidden.float(), self.gate.weight.float())
+            topk_weights, topk_ids = route_grouped(logits, getattr(self.gate, "e_score_correction_bias", None), self.moe)
+        else:
+            topk_weights, topk_ids = route(self.gate(hidden), self.top_k, self.renormalize)
         out = self.experts(hidden, topk_weights, topk_ids)
-        if self.has_shared_expert:
+        if self.gated_shared_expert:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        elif self.has_shared_expert:
+            out = out + self.shared_expert(hidden)
         # One all-reduce sums the ranks' partial routed and shared outputs together.
         return all_reduce(out, self.tp)

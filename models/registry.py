@@ -9,9 +9,12 @@ from torch import nn
 from fastgen.models.falcon import FalconForCausalLM
 from fastgen.models.gemma import GemmaForCausalLM
 from fastgen.models.gemma3 import Gemma3ForCausalLM
+from fastgen.models.glm4_moe import Glm4MoeForCausalLM
 from fastgen.models.gpt2 import GPT2LMHeadModel
+from fastgen.models.granite import GraniteForCausalLM
 from fastgen.models.llama import LlamaForCausalLM
 from fastgen.models.mixtral import MixtralForCausalLM
+from fastgen.models.olmo import OlmoForCausalLM
 from fastgen.models.opt import OPTForCausalLM
 from fastgen.models.phi import PhiForCausalLM
 from fastgen.models.phi3 import Phi3ForCausalLM
@@ -22,6 +25,7 @@ MODEL_REGISTRY: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "smollm3": LlamaForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen2_moe": QwenMoeForCausalLM,
     "qwen3_moe": QwenMoeForCausalLM,
@@ -33,6 +37,10 @@ MODEL_REGISTRY: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "gemma": GemmaForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "olmo2": OlmoForCausalLM,
+    "granite": GraniteForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
+    "olmo3": OlmoForCausalLM,
 })
 """Every supported `model_type` and the class that serves it."""
 

@@ -106,6 +106,30 @@ TINY_CONFIGS: dict[str, tuple[type, dict]] = {
              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
     ),
+    # Post-norms only, q/k RMSNorm over the whole projection (all heads), GQA.
+    "olmo2": (transformers.Olmo2Config, dict()),
+    # OLMo 2 plus sliding (window 12) and full layers, each with its own rope base.
+    "olmo3": (
+        transformers.Olmo3Config,
+        dict(sliding_window=12, layer_types=["sliding_attention", "full_attention"],
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}),
+    ),
+    # NoPE on every other layer (no_rope_layers), tied embeddings.
+    "smollm3": (transformers.SmolLM3Config, dict(no_rope_layers=[1, 0], tie_word_embeddings=True)),
+    # All four multipliers away from 1 (the attention one replacing head_dim ** -0.5).
+    "granite": (
+        transformers.GraniteConfig,
+        dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0),
+    ),
+    # Layer 0 dense (first_k_dense_replace), layer 1 MoE: sigmoid router with group-limited top-k
+    # (2 of 4 groups), renormalised and scaled weights, one shared expert; partial rotary, q/k norm.
+    "glm4_moe": (
+        transformers.Glm4MoeConfig,
+        dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+             n_group=4, topk_group=2, routed_scaling_factor=1.5, first_k_dense_replace=1, use_qk_norm=True,
+             attention_bias=True),
+    ),
 }
 
 
@@ -126,6 +150,11 @@ def _rope_kwargs(cls: type, extra: dict) -> dict:
     return extra
 
 
+_ZERO_INITIALISED = ("e_score_correction_bias",)
+"""Checkpoint tensors HF initialises to zero that a random parity model should still exercise
+(the router bias that steers GLM-4.5's expert choice)."""
+
+
 def build_checkpoint(path: str, model_type: str, seed: int = 0, **overrides) -> str:
     """Save a tiny fp32 checkpoint of `model_type` (weights, config, tokenizer) at `path`."""
     cls, extra = TINY_CONFIGS[model_type]
@@ -133,6 +162,11 @@ def build_checkpoint(path: str, model_type: str, seed: int = 0, **overrides) -> 
     config = cls(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            # HF initialises these to zero, which would leave what they do untested.
+            if name.endswith(_ZERO_INITIALISED):
+                tensor.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     build_tokenizer(VOCAB).save_pretrained(path)
     return path
