@@ -5,6 +5,10 @@ deployment, whichever protocol they came by, so one `PendingBudget` is made per 
 handed to both the gRPC server and the REST gateway. A request that could never fit is the
 caller's mistake (a FieldValueError naming its field: gRPC INVALID_ARGUMENT, HTTP 400); one that
 does not fit now is `Overloaded` (gRPC RESOURCE_EXHAUSTED, HTTP 429), with a retry hint.
+
+The budget is also where a deployment drains: after `drain()` it admits nothing (`Draining`: gRPC
+UNAVAILABLE, HTTP 503) while the sequences already admitted run to their end, and `wait_idle`
+tells when the last of them has been released.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ class Overloaded(Exception):
         self.retry_after_ms = retry_after_ms
 
 
+class Draining(Exception):
+    """The deployment is shutting down: it admits nothing new (gRPC UNAVAILABLE, HTTP 503); the
+    requests it admitted before finish."""
+
+
 class PendingBudget:
     """The sequences (prompts x n) in flight through one deployment, bounded by `limit` (None =
     unbounded). Thread-safe: gRPC's worker threads and the REST event loop take from it at once;
@@ -37,6 +46,8 @@ class PendingBudget:
         self.limit = limit
         self._pending = 0
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)
+        self._draining = False
 
     @property
     def pending(self) -> int:
@@ -54,6 +65,9 @@ class PendingBudget:
             raise FieldValueError(f"{field}: this request needs {count} sequences (prompts x n) but the server "
                                   f"admits at most {limit} at a time", field)
         with self._lock:
+            if self._draining:
+                raise Draining("the server is shutting down: it finishes the requests it has and admits no "
+                               "new ones; send this one to another replica")
             if limit is not None and self._pending + count > limit:
                 raise Overloaded(f"server is at its limit of {limit} pending sequences ({self._pending} in flight); "
                                  f"retry in {RETRY_AFTER_MS} ms")
@@ -67,8 +81,24 @@ class PendingBudget:
                     return
                 done = True
                 self._pending -= count
+                self._released.notify_all()
 
         return release
+
+    @property
+    def draining(self) -> bool:
+        """Whether `drain()` was called: nothing new is admitted."""
+        return self._draining
+
+    def drain(self) -> None:
+        """Admit nothing from now on (`acquire` raises `Draining`); what was admitted runs on. Idempotent."""
+        with self._lock:
+            self._draining = True
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until every admitted sequence has been released (True) or `timeout` seconds pass (False)."""
+        with self._released:
+            return self._released.wait_for(lambda: self._pending == 0, timeout)
 
 
 def shared_budget(budget: PendingBudget | None, limit: int | None) -> PendingBudget:

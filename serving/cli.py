@@ -21,6 +21,8 @@ from fastgen.serving.limits import (API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT
 
 DEFAULT_PORT = 50050
 DEFAULT_REST_PORT = 51080
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+"""Seconds a deployment given SIGTERM lets its requests in flight finish before it exits."""
 _SEPARATE = {"model", "tensor_parallel", "replica_num"}  # engine fields that are deployment options here
 
 SECURITY_HELP = (
@@ -166,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="REST: /metrics needs the API key too (default: open, for Prometheus scrapers)")
     parser.add_argument("--grpc-workers", type=int, default=128, help="concurrent gRPC calls (threads)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds replicas may take to start")
+    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="SECONDS",
+                        help="on SIGTERM, stop admitting (new requests get 503 / UNAVAILABLE, health fails) and let "
+                             "the requests in flight finish for up to SECONDS before exiting; 0 stops at once, "
+                             f"aborting them (default: {DEFAULT_DRAIN_TIMEOUT_S:g})")
     parser.add_argument("--replica-of", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     _add_security_flags(parser)
@@ -187,6 +193,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
         parser.error(f"--replica-num must be >= 1, got {args.replica_num}")
     if args.replica_of is not None and args.replica_num not in (None, 1):
         parser.error("a replica cannot have replicas")
+    if not args.drain_timeout >= 0:
+        parser.error(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     if not 0 <= args.port <= 65535 or not 0 <= args.restful_api_port <= 65535:
         parser.error("ports must be in [0, 65535]")
     if (args.tls_cert is None) != (args.tls_key is None):

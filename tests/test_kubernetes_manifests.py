@@ -73,6 +73,11 @@ def test_the_pieces_fit_together():
     args = launcher.build_parser().parse_args(container["args"])
     assert args.enable_restful_api and args.host == "0.0.0.0"
     assert (args.restful_api_port, args.port) == (ports["http"], ports["grpc"])
+    # The grace period covers the preStop pause and the drain, so Kubernetes never kills a pod mid-drain.
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] > pre_stop + args.drain_timeout
+    liveness = container["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > pod["spec"]["terminationGracePeriodSeconds"]
     mount = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert args.model == mount["model"]
 

@@ -3,9 +3,12 @@
 Order of start-up, so that every failure is early and clear: parse and validate the options,
 bind the gRPC port (a taken port fails before any model is loaded; health says NOT_SERVING while
 loading), load the engine (or start the replicas), turn health to SERVING, start the REST gateway
-if asked, record the deployment, print `listening on host:port`. SIGINT, SIGTERM, a Terminate
-call or REST's /terminate stop it: the record is removed, the servers stop, the engine loop and
-its tensor-parallel workers (or every replica) shut down and are reaped, and the process exits 0.
+if asked, record the deployment, print `listening on host:port`. SIGTERM drains it: admission stops
+(new requests get gRPC UNAVAILABLE / HTTP 503, health turns NOT_SERVING and `/health` 503) while the
+requests already admitted finish, for up to `--drain-timeout` seconds; then it stops as for SIGINT,
+a Terminate call or REST's /terminate, which stop it at once (as does a second SIGTERM): the
+record is removed, the servers stop, the engine loop and its tensor-parallel workers (or every
+replica) shut down and are reaped, and the process exits 0.
 The flags are in `fastgen.serving.cli`; the keys and bounds they set (one `ServingLimits`) apply
 to the gRPC server and the REST gateway alike.
 """
@@ -188,8 +191,25 @@ def main(argv: list[str] | None = None) -> int:
                        "anyone who can reach the port; pass --api-key", args.host)
 
     loading = True
+    draining = threading.Event()
+
+    def drain() -> None:
+        server.drain()  # the REST gateway shares its budget: it refuses and fails /health too
+        logger.info("draining: admitting nothing new, %d sequences in flight, waiting up to %g s",
+                    server.budget.pending, args.drain_timeout)
+        if server.budget.wait_idle(args.drain_timeout):
+            logger.info("drained: every admitted request finished")
+        else:
+            logger.warning("--drain-timeout (%g s) passed with %d sequences in flight: they are aborted",
+                           args.drain_timeout, server.budget.pending)
+        stop.set()
 
     def on_signal(signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM and not loading and args.drain_timeout > 0 and not draining.is_set():
+            draining.set()
+            logger.info("SIGTERM received; draining (another SIGTERM stops at once)")
+            threading.Thread(target=drain, name="fastgen-drain", daemon=True).start()
+            return
         logger.info("%s received; stopping", signal.Signals(signum).name)
         stop.set()
         if loading and args.replica_num == 1:

@@ -37,7 +37,7 @@ from fastgen.sampling_params import FieldTypeError, FieldValueError, SamplingPar
 from fastgen.serving.backend import Backend, BackendUnavailable, submit_group
 from fastgen.serving.grpc.convert import (completion_from_response, kwargs_from_mii, model_info_to_proto,
                                           params_from_proto, prompts_from_proto)
-from fastgen.serving.admission import Overloaded, PendingBudget, shared_budget
+from fastgen.serving.admission import Draining, Overloaded, PendingBudget, shared_budget
 from fastgen.serving.grpc.guard import RETRY_AFTER_KEY, ApiKeyInterceptor, server_credentials
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
@@ -90,6 +90,8 @@ def _reject(server: "GrpcServer", context: grpc.ServicerContext, exc: BaseExcept
     if isinstance(exc, Overloaded):
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(exc.retry_after_ms)),))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, Draining):
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     _fail(server, context, exc)
 
 
@@ -376,6 +378,14 @@ class GrpcServer:
         """Report `service` ("" = the whole server) as SERVING or NOT_SERVING."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         self._health.set(service, status)
+
+    def drain(self) -> None:
+        """Stop admitting (new calls get UNAVAILABLE, and so do REST's when it shares the budget) and
+        report NOT_SERVING, while the calls already admitted run on; `budget.wait_idle` says when they
+        have all ended."""
+        self.budget.drain()
+        for service in ("", TYPED_SERVICE, MII_SERVICE):
+            self.set_health(service, False)
 
     def request_termination(self) -> None:
         """What `Terminate` does: flag it, then shut down (through `on_terminate` when given)."""

@@ -149,10 +149,15 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
 
     router = APIRouter()
 
+    # Readiness: both probes fail while the deployment drains, so load balancers stop sending to it.
     async def healthz() -> PlainTextResponse:
+        if gateway.budget.draining:
+            return PlainTextResponse("draining", status_code=503)
         return PlainTextResponse("ok")
 
     async def health() -> JSONResponse:
+        if gateway.budget.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     for path, endpoint in (("/healthz", healthz), ("/health", health)):

@@ -21,7 +21,7 @@ from fastapi import Request
 from fastgen.engine import Member, RequestFailed, RequestGroup, Sink, full_text_prefix, max_prompt_chars, merge_deltas
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
-from fastgen.serving.admission import Overloaded, PendingBudget, shared_budget
+from fastgen.serving.admission import Draining, Overloaded, PendingBudget, shared_budget
 from fastgen.serving.http.guard import ApiError, Offload
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.metrics import ServingMetrics
@@ -212,6 +212,9 @@ class Gateway:
         except Overloaded as exc:
             raise ApiError(429, str(exc), code="too_many_pending_requests",
                            headers={"Retry-After": str(max(1, -(-exc.retry_after_ms // 1000)))}) from None
+        except Draining as exc:
+            # Connection: close, so a keep-alive client reconnects through its load balancer, elsewhere.
+            raise ApiError(503, str(exc), code="draining", headers={"Connection": "close"}) from None
         self.pending += num_sequences
         self.metrics.set_pending(self.pending)
         return release
