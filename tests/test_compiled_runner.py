@@ -48,6 +48,20 @@ def test_compiled_equals_eager_without_recompiling(model_type, tiny_checkpoints)
     assert counters["stats"]["unique_graphs"] == graphs_after_warmup, "serving recompiled after warm-up"
 
 
+# The families whose layers differ from each other (local/global rotaries, NoPE layers, a dense
+# layer before MoE ones) or whose norms span heads: one bucket keeps the compile cost down.
+@pytest.mark.parametrize("model_type", ["gemma3_text", "olmo3", "smollm3", "granite", "glm4_moe"])
+def test_new_families_compiled_equal_eager(model_type, tiny_checkpoints):
+    path = tiny_checkpoints[model_type]
+    eager, _ = _generate(path)
+    pipe = fastgen.pipeline(path, **SMALL, compile="default", buckets=[16])
+    graphs_after_warmup = counters["stats"]["unique_graphs"]
+    pipe.engine.eos_token_ids = set()
+    compiled = [r.token_ids for r in pipe(_prompts(), max_new_tokens=12, do_sample=False)]
+    assert compiled == eager
+    assert counters["stats"]["unique_graphs"] == graphs_after_warmup, "serving recompiled after warm-up"
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
 def test_symbolic_compile_serves_every_step_size(model_type, tiny_checkpoints):
     """The CPU plan's choice: no buckets, the decoder layer compiled once with symbolic sizes."""
