@@ -15,6 +15,8 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from fastgen.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 """Largest `logprobs` a request may ask for (OpenAI's `top_logprobs` limit)."""
 
@@ -248,6 +250,11 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = sampling_field(None, int, 1)
     """Keep only the last k prompt tokens (>= 1); None = the whole prompt."""
 
+    structured_outputs: StructuredOutputsParams | None = sampling_field(None)
+    """What the output must match (vLLM's `structured_outputs`): a dict with one of `json` (a JSON
+    schema), `regex`, `choice`, `grammar` (EBNF), `json_object`, or a `StructuredOutputsParams`. The
+    engine masks every token the constraint forbids, and EOS until the output is complete."""
+
     priority: int = sampling_field(0, int, -2**31, 2**31 - 1)
     """Scheduling priority: lower values are admitted first and preempted last; equal values are
     first come, first served."""
@@ -278,6 +285,14 @@ class SamplingParams:
         if self.allowed_token_ids == ():
             raise FieldValueError("allowed_token_ids must not be empty (None allows every token)", "allowed_token_ids")
         self.bad_words = self._normalise_words("bad_words", self.bad_words)
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+            except (TypeError, ValueError) as exc:
+                raise field_error(exc, "structured_outputs") from None
+            if self.min_new_tokens:
+                raise FieldValueError("min_new_tokens cannot be combined with structured_outputs: the constraint "
+                                      "decides where the output may end", "min_new_tokens")
 
     @staticmethod
     def _normalise_words(name: str, words: Any) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence as Seq
 
+from fastgen.engine.grammar import PreparedGrammar, StructuredOutputManager
 from fastgen.sampling_params import FieldValueError, SamplingParams
 
 
@@ -28,13 +29,18 @@ class PreparedRequest:
     """The request's validated generation parameters."""
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     """Token sequences of `params.bad_words` (each word alone and after a space)."""
+    grammar: PreparedGrammar | None = None
+    """The structured-output constraint, compiling in the grammar pool (None: unconstrained)."""
 
 
 class Admission:
     """Checks requests against one model: its tokenizer, vocabulary and context length."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
-        """`max_model_len`: the most tokens (prompt + output) a sequence may hold in this engine."""
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
+                 structured_outputs: StructuredOutputManager | None = None) -> None:
+        """`max_model_len`: the most tokens (prompt + output) a sequence may hold in this engine;
+        `structured_outputs` validates and compiles constraints (None: they are refused)."""
+        self.structured_outputs = structured_outputs
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -87,7 +93,13 @@ class Admission:
             bad = [t for t in token_ids if t >= self.vocab_size]
             if bad:
                 raise FieldValueError(f"{name} contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})", name)
-        return PreparedRequest(ids, params, self._bad_words_ids(params.bad_words))
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.structured_outputs is None:
+                raise FieldValueError("structured_outputs: this engine has no grammar backend", "structured_outputs")
+            # Parsed here (an invalid schema raises before anything is queued), compiled in the pool.
+            grammar = self.structured_outputs.prepare(params.structured_outputs)
+        return PreparedRequest(ids, params, self._bad_words_ids(params.bad_words), grammar)
 
     def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's tokens at the start of a text and after a space (vLLM's rule: the spaced

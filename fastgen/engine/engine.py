@@ -25,13 +25,14 @@ from fastgen.engine.admission import Admission, PreparedRequest
 from fastgen.engine.block_manager import BlockManager
 from fastgen.engine.builder import build_runner, plan_engine
 from fastgen.engine.detokenizer import TextStream
+from fastgen.engine.grammar import StructuredOutputManager
 from fastgen.engine.request_group import full_text_prefix
 from fastgen.engine.step.sampling_metadata import make_generator
-from fastgen.engine.scheduler import Scheduler
+from fastgen.engine.scheduler import ScheduledBatch, Scheduler
 from fastgen.engine.sequence import Sequence, SequenceStatus
 from fastgen.engine.step.inputs import long_rope_namespace
 from fastgen.engine.step.executor import StepExecutor
-from fastgen.engine.step.output import SequenceUpdate
+from fastgen.engine.step.output import SequenceUpdate, StepOutput
 from fastgen.engine.stop_rules import StopRules
 from fastgen.executor.distributed import TensorParallelGroup
 from fastgen.executor.runner import ModelRunner
@@ -78,8 +79,11 @@ class Engine:
         self.stop_rules = StopRules(eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, plan.token_budget, plan.max_seqs, namespace,
                                    plan.context_per_budget_token, self.stop_rules)
-        self.executor = StepExecutor(runner, self.block_manager, self.stop_rules, self.long_rope, tp_group)
-        self.admission = Admission(tokenizer, self.vocab_size, self.max_model_len)
+        self.structured_outputs = StructuredOutputManager(plan.structured_outputs_backend, tokenizer,
+                                                          self.vocab_size, self.stop_rules)
+        self.executor = StepExecutor(runner, self.block_manager, self.stop_rules, self.long_rope, tp_group,
+                                     self.structured_outputs)
+        self.admission = Admission(tokenizer, self.vocab_size, self.max_model_len, self.structured_outputs)
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
         self._seq_ids = itertools.count()
@@ -150,8 +154,12 @@ class Engine:
             seq.stream = TextStream(self.tokenizer, ids, params.stop, params.skip_special_tokens,
                                     include_stop=params.include_stop_str_in_output)
             seq.bad_words_ids = prepared.bad_words_ids
+            if prepared.grammar is not None:
+                seq.grammar = prepared.grammar.for_sequence()
             seqs.append(seq)
         self.scheduler.add_request(seqs)
+        if not seqs[0].ready:
+            self.structured_outputs.track(request_id, seqs[0].grammar)
         return request_id
 
     def abort(self, request_id: str) -> list[Response]:
@@ -173,8 +181,11 @@ class Engine:
         `finish_reason` is "error" and whose `error` is the `RequestFailed`; the step goes on for
         the others. Faults of the engine itself (a dead tensor-parallel rank, device OOM) raise.
         """
+        failed = self._fail_unusable_grammars()
         batch = self.scheduler.schedule()
         if not batch.chunks:
+            if failed or self.structured_outputs.wait_for_compile(0.05):  # only compiling requests are left
+                return failed
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are pending (KV cache too small?)")
             return []
@@ -184,7 +195,17 @@ class Engine:
         # On a GPU without a sync the next step's time absorbs this one's.
         self._num_steps += 1
         self._step_seconds += time.perf_counter() - started
-        return [self._delta(update) for update in updates]
+        return failed + [self._delta(update) for update in updates]
+
+    def _fail_unusable_grammars(self) -> list[Response]:
+        """End the queued requests whose grammar failed to compile (or took too long): their final deltas."""
+        unusable = self.structured_outputs.unusable()
+        if not unusable:
+            return []
+        output = StepOutput()
+        for request_id, error in unusable:
+            output.fail(request_id, "compiling its structured-output grammar", error)
+        return [self._delta(update) for update in self.scheduler.update(ScheduledBatch(), output)]
 
     def stats(self) -> dict[str, float]:
         """A snapshot for metrics: requests, waiting/running sequences, KV blocks, prefix-cache hit rate,
@@ -252,6 +273,7 @@ class Engine:
             self.abort(request_id)
         self.runner = None
         self.executor = None
+        self.structured_outputs.shutdown()
         if self.tp_group is not None:
             self._stop_workers()
             self.tp_group = None

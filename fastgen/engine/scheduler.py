@@ -201,9 +201,13 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, batch: ScheduledBatch) -> None:
-        """Start waiting sequences in arrival order while budget, seats and blocks last."""
-        while self.waiting and self._left(batch) > 0 and len(batch.chunks) < self.max_seqs:
-            seq = self.waiting[0]
+        """Start waiting sequences in arrival order while budget, seats and blocks last (skipping those
+        not `ready`: a structured-output grammar still compiling)."""
+        while self._left(batch) > 0 and len(batch.chunks) < self.max_seqs:
+            # A sequence whose grammar still compiles keeps its place and lets the ones behind it go.
+            seq = next((s for s in self.waiting if s.ready), None)
+            if seq is None:
+                break
             # Cached tokens have no logits: a request for prompt logprobs computes its whole prompt.
             if seq.num_computed_tokens == 0 and seq.prompt_logprobs is None:
                 cached = self.block_manager.match_prefix(seq.seq_id, seq.token_ids, self._namespace(seq))
@@ -217,7 +221,7 @@ class Scheduler:
                 self.block_manager.free(seq.seq_id)
                 seq.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add(batch, seq, num_new)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fastgen.engine.grammar import SequenceGrammar
 from fastgen.sampling_params import SamplingParams
 
 
@@ -29,7 +30,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "index", "arrival", "params", "prompt_token_ids", "output_token_ids", "token_ids",
         "num_computed_tokens", "status", "finish_reason", "generator", "logprobs", "stream", "text",
-        "children", "num_cached_prompt_tokens", "num_preemptions", "bad_words_ids", "prompt_logprobs",
+        "children", "num_cached_prompt_tokens", "num_preemptions", "bad_words_ids", "prompt_logprobs", "grammar",
     )
 
     def __init__(
@@ -67,6 +68,8 @@ class Sequence:
         self.children: list[Sequence] = []
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
+        self.grammar: SequenceGrammar | None = None
+        """Its structured-output constraint (None: unconstrained)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,6 +85,11 @@ class Sequence:
         """Add one generated token."""
         self.output_token_ids.append(token)
         self.token_ids.append(token)
+
+    @property
+    def ready(self) -> bool:
+        """Whether it may be scheduled: its grammar (if any) has finished compiling."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def num_pending_tokens(self) -> int:

@@ -56,9 +56,12 @@ class StopRules:
         p = seq.params
         generated = len(seq.output_token_ids)
         text, reason = "", None
+        # A grammar that accepted its stop token has ended the output, even under ignore_eos; syncing
+        # it here advances the matcher (and raises if a token it forbids got through).
+        grammar_ended = seq.grammar is not None and seq.grammar.is_terminated(seq.output_token_ids)
         # Below min_new_tokens these ids are banned from sampling; a token given by other means
         # (several per step) then does not stop either.
-        if token in self._stop_ids(seq) and generated > p.min_new_tokens:
+        if grammar_ended or (token in self._stop_ids(seq) and generated > p.min_new_tokens):
             reason = "stop"
         elif seq.stream is not None:
             text, stopped = seq.stream.append(token)

@@ -22,6 +22,8 @@ from fastgen.planning.speculative import SpeculativeConfig, check_speculative_co
 ATTENTION_BACKENDS = ("triton", "torch")
 COMPILE_MODES = ("off", "default", "max-autotune")
 OFFLOAD_MODES = ("none", "cpu", "disk")
+STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
+"""Grammar libraries that constrain structured outputs, the default first."""
 
 
 def _check_choice(allowed: tuple[str, ...]) -> Callable[[str, Any], Any]:
@@ -189,6 +191,10 @@ class Plan:
         '"num_speculative_tokens": k} (a draft model); the plan sets disable_by_batch_size, the decode batch '
         "above which a step verifies no drafts; None = off", "SpeculativeConfig | dict | str | None",
         parse_speculative_config, check_speculative_config)
+    structured_outputs_backend: str = plan_field(
+        'the grammar library behind structured outputs and tool calling: "xgrammar" (grammars precompiled to '
+        'per-state token masks, CPU and CUDA bitmask kernels) or "llguidance" (masks computed per step, no '
+        "precompile; also takes whitespace_pattern)", "str | None", str, _check_choice(STRUCTURED_OUTPUTS_BACKENDS))
     reasons: dict[str, str] = field(default_factory=dict)
     """Field name -> one line saying why it has its value (one for every other field)."""
 

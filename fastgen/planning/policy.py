@@ -10,6 +10,8 @@ are used. What sizes a step (token budget, attention charge, buckets, block size
 
 from __future__ import annotations
 
+import importlib.util
+
 import os
 from typing import Any, Callable
 
@@ -140,13 +142,14 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     if spec is not None:
         spec, reasons["speculative_config"] = _choose_speculation(spec, model, hardware, dtype, quant, group, tp,
                                                                   max_seqs)
+    grammar = pick("structured_outputs_backend", _choose_structured_outputs_backend)
     reasons = {name: reasons[name] for name in PLAN_FIELDS}
     return Plan(dtype=dtype, quantization=quant, quantization_group_size=group, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
                 buckets=tuple(buckets), token_budget=budget, context_per_budget_token=context, max_seqs=max_seqs,
                 block_size=block_size,
                 kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory,
                 weight_prepack=prepack, gemv_weights=gemv, tensor_parallel=tp, replica_num=replicas,
-                speculative_config=spec, reasons=reasons)
+                speculative_config=spec, structured_outputs_backend=grammar, reasons=reasons)
 
 
 # Decisions ------------------------------------------------------------------------------------
@@ -201,6 +204,17 @@ def _choose_offload(model: ModelFacts, hw: Hardware, dtype: torch.dtype, quant: 
         flops = (H200_BF16_TFLOPS if cc >= (9, 0) else A100_BF16_TFLOPS) * 1e12
     return choose_offload(model, hw, dtype, quant, group, tp, reserve, block_size, flops,
                           CPU_WEIGHT_STREAM_GBPS_PER_CORE * hw.cpu_cores, user)
+
+
+def _choose_structured_outputs_backend() -> tuple[str, str]:
+    """xgrammar when installed (masks precompiled per grammar state, so a step only looks them up, and
+    its CPU bitmask kernel applies them ~10x faster than tensor ops), else llguidance when installed."""
+    if importlib.util.find_spec("xgrammar") is not None:
+        return "xgrammar", ("xgrammar: token masks precompiled per grammar state (a step looks them up) and a CPU/CUDA "
+                            "bitmask kernel; llguidance only for whitespace_pattern")
+    if importlib.util.find_spec("llguidance") is not None:
+        return "llguidance", "xgrammar is not installed; llguidance computes each step's mask without a precompile"
+    return "xgrammar", "neither grammar library is installed: structured outputs are refused until xgrammar is"
 
 
 def _without_graphs_for_offload(user: dict[str, Any], offload: str, reasons: dict[str, str]) -> bool:

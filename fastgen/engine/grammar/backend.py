@@ -14,11 +14,12 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from fastgen.planning.plan import STRUCTURED_OUTPUTS_BACKENDS
 from fastgen.sampling_params import FieldValueError
 from fastgen.structured_outputs import StructuredOutputsParams
 
-BACKENDS = ("xgrammar", "llguidance")
-"""The grammar backends, default first."""
+BACKENDS = STRUCTURED_OUTPUTS_BACKENDS
+"""The grammar backends, default first (declared with the plan field that chooses one)."""
 
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
 """OpenAI's json_object mode as a schema: any JSON object (xgrammar's builtin JSON grammar would also

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fastgen.engine.block_manager import BlockManager
+from fastgen.engine.grammar import StructuredOutputManager
 from fastgen.engine.step.row_sampling import sample_rows, score_prompt_tokens
 from fastgen.engine.step.sampler import Sampler
 from fastgen.engine.scheduler import ScheduledBatch, ScheduledChunk
@@ -33,9 +34,12 @@ class StepExecutor:
     """Runs scheduled batches on a `ModelRunner` (through its tensor-parallel group, if any) and samples."""
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, stop_rules: StopRules,
-                 long_rope: LongRopeSwitch | None = None, tp_group: TensorParallelGroup | None = None) -> None:
+                 long_rope: LongRopeSwitch | None = None, tp_group: TensorParallelGroup | None = None,
+                 structured_outputs: StructuredOutputManager | None = None) -> None:
         """`stop_rules` say which tokens a row may not sample yet; `long_rope` is the model's LongRoPE
-        switch; `tp_group` runs each step on every rank (None: this process alone)."""
+        switch; `tp_group` runs each step on every rank (None: this process alone);
+        `structured_outputs` fills the grammar bitmask of constrained rows (None: no row is)."""
+        self.structured_outputs = structured_outputs
         self.runner = runner
         self.block_manager = block_manager
         self.stop_rules = stop_rules
@@ -137,7 +141,7 @@ class StepExecutor:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Next token per sequence (one host sync), and per-row logprob dicts when asked."""
-        return sample_rows(self.sampler, logits, seqs, self.vocab_size, self.stop_rules)
+        return sample_rows(self.sampler, logits, seqs, self.vocab_size, self.stop_rules, self.structured_outputs)
 
     @staticmethod
     def _record(output: StepOutput, seqs: list[Sequence], tokens: list[int],

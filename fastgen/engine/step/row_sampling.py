@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from fastgen.engine.grammar import StructuredOutputManager
 from fastgen.engine.step.sampler import Sampler
 from fastgen.engine.step.sampling_metadata import SamplingMetadata
 from fastgen.engine.sequence import Sequence
@@ -13,13 +14,17 @@ from fastgen.engine.stop_rules import StopRules
 
 
 def sample_rows(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], vocab_size: int,
-                stop_rules: StopRules) -> tuple[list[int], list[TokenLogprobs | None]]:
+                stop_rules: StopRules, structured_outputs: StructuredOutputManager | None = None,
+                ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """The next token of each sequence (row i of `logits` is `seqs[i]`'s), and per row its logprob
-    dict when its request asked (None otherwise)."""
+    dict when its request asked (None otherwise). `structured_outputs` fills the grammar bitmask of
+    the constrained rows; on a GPU that host work overlaps the forward pass still running."""
     banned = [stop_rules.banned_tokens(s) for s in seqs]
+    bitmask, grammar_rows = (None, []) if structured_outputs is None else structured_outputs.fill_bitmask(seqs)
     md = SamplingMetadata.build(
         [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
         [s.generator for s in seqs], vocab_size, logits.device, banned if any(banned) else None,
+        grammar_bitmask=bitmask, grammar_rows=grammar_rows,
     )
     out = sampler(logits, md)
     tokens = out.sampled_token_ids.tolist()
