@@ -133,6 +133,8 @@ BAD_VALUES = [
     ("truncate_prompt_tokens", 0, ValueError, "[1, inf)"),
     ("priority", 1.5, TypeError, "int"),
     ("priority", 2**40, ValueError, "[-2147483648, 2147483647]"),
+    ("structured_outputs", {"regex": "a", "choice": ["b"]}, ValueError, "exactly one of"),
+    ("structured_outputs", "json", TypeError, "must be a dict"),
 ]
 
 
@@ -155,7 +157,7 @@ def test_bad_value_names_field_value_and_range(field, value, error, words):
     message = str(info.value)
     assert field in message
     assert words in message
-    if error is ValueError and not isinstance(value, (list, str)):
+    if error is ValueError and not isinstance(value, (list, str, dict)):
         assert repr(float(value)) in message or repr(value) in message
 
 
@@ -192,11 +194,15 @@ def test_from_kwargs_accepts_every_field():
                   min_p=0.05, logit_bias={3: 1.5}, allowed_token_ids=[1, 2, 3], bad_words=["no"],
                   skip_special_tokens=False, spaces_between_special_tokens=False,
                   include_stop_str_in_output=True, truncate_prompt_tokens=5, priority=-1)
-    assert set(kwargs) == set(SamplingParams.field_names())
+    # structured_outputs cannot join min_new_tokens (the constraint decides where the output ends).
+    assert set(kwargs) | {"structured_outputs"} == set(SamplingParams.field_names())
     p = SamplingParams.from_kwargs(**kwargs)
     for key, value in kwargs.items():
         expected = tuple(value) if isinstance(value, list) else value
         assert getattr(p, key) == expected
+    constrained = SamplingParams.from_kwargs(**{**kwargs, "min_new_tokens": 0,
+                                                "structured_outputs": {"choice": ["a", "b"]}})
+    assert constrained.structured_outputs.choice == ("a", "b")
 
 
 def test_from_kwargs_unknown_keyword():

@@ -14,6 +14,7 @@ from typing import Any
 from fastgen.api import normalise_prompts
 from fastgen.outputs import Response
 from fastgen.sampling_params import FieldValueError, SamplingParams
+from fastgen.structured_outputs import StructuredOutputsParams
 from fastgen.serving.backend import ModelInfo, Prompt, ReplicaInfo
 from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.grpc.proto import modelresponse_pb2 as mii_pb
@@ -57,8 +58,36 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
             if len(getattr(msg, name)):
                 kwargs[name] = list(getattr(msg, name))
         elif msg.HasField(name):
-            kwargs[name] = getattr(msg, name)
+            value = getattr(msg, name)
+            kwargs[name] = structured_outputs_from_proto(value) if name == "structured_outputs" else value
     return SamplingParams(**kwargs)
+
+
+def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> dict[str, Any]:
+    """A `StructuredOutputs` message -> the dict `SamplingParams.structured_outputs` takes (an unset
+    constraint is left out, so SamplingParams refuses it with its own message)."""
+    out: dict[str, Any] = {}
+    kind = msg.WhichOneof("constraint")
+    if kind == "choice":
+        out["choice"] = list(msg.choice.choices)
+    elif kind is not None:
+        out[kind] = getattr(msg, kind)
+    for name in ("whitespace_pattern", "disable_any_whitespace"):
+        if msg.HasField(name):
+            out[name] = getattr(msg, name)
+    return out
+
+
+def structured_outputs_to_proto(spec: StructuredOutputsParams) -> pb.StructuredOutputs:
+    """`StructuredOutputsParams` -> message (reasoning_end is the server's, not the caller's: not sent)."""
+    msg = pb.StructuredOutputs(disable_any_whitespace=spec.disable_any_whitespace)
+    if spec.kind == "choice":
+        msg.choice.choices.extend(spec.choice)
+    else:
+        setattr(msg, spec.kind, getattr(spec, spec.kind))
+    if spec.whitespace_pattern is not None:
+        msg.whitespace_pattern = spec.whitespace_pattern
+    return msg
 
 
 def params_to_proto(params: SamplingParams, fields: Iterable[str] | None = None) -> pb.SamplingParams:
@@ -72,6 +101,8 @@ def params_to_proto(params: SamplingParams, fields: Iterable[str] | None = None)
             getattr(msg, name).update(value)
         elif _repeated(name):
             getattr(msg, name).extend(value)
+        elif name == "structured_outputs":
+            msg.structured_outputs.CopyFrom(structured_outputs_to_proto(StructuredOutputsParams.from_value(value)))
         else:
             setattr(msg, name, value)
     return msg

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x66\x61stgen_v1.proto\x12\nfastgen.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"M\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.fastgen.v1.TokenIdsH\x00\x42\x08\n\x06prompt\"\xc1\t\n\x0eSamplingParams\x12\x17\n\nmax_length\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x17\n\nignore_eos\x18\x04 \x01(\x08H\x03\x88\x01\x01\x12\x16\n\tdo_sample\x18\x05 \x01(\x08H\x04\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x03H\x06\x88\x01\x01\x12\x12\n\x05top_p\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x1d\n\x10return_full_text\x18\n \x01(\x08H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\t\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x01H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\x03H\r\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\x03H\x0e\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x03H\x0f\x88\x01\x01\x12\x12\n\x05min_p\x18\x13 \x01(\x01H\x10\x88\x01\x01\x12=\n\nlogit_bias\x18\x14 \x03(\x0b\x32).fastgen.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\x03\x12\x11\n\tbad_words\x18\x16 \x03(\t\x12 \n\x13skip_special_tokens\x18\x17 \x01(\x08H\x11\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x18 \x01(\x08H\x12\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x19 \x01(\x08H\x13\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x1a \x01(\x03H\x14\x88\x01\x01\x12\x15\n\x08priority\x18\x1b \x01(\x03H\x15\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_lengthB\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokensB\r\n\x0b_ignore_eosB\x0c\n\n_do_sampleB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x13\n\x11_return_full_textB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x04\n\x02_nB\x12\n\x10_prompt_logprobsB\x08\n\x06_min_pB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x19\n\x17_truncate_prompt_tokensB\x0b\n\t_priority\"b\n\x0fGenerateRequest\x12#\n\x07prompts\x18\x01 \x03(\x0b\x32\x12.fastgen.v1.Prompt\x12*\n\x06params\x18\x02 \x01(\x0b\x32\x1a.fastgen.v1.SamplingParams\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"\xaa\x02\n\nCompletion\x12\x14\n\x0cprompt_index\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_length\x18\x06 \x01(\r\x12\x18\n\x10generated_length\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.fastgen.v1.TokenLogprobs\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x32\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x19.fastgen.v1.TokenLogprobs\"?\n\x10GenerateResponse\x12+\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x16.fastgen.v1.Completion\"X\n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\";\n\x10TokenizeResponse\x12\'\n\ttoken_ids\x18\x01 \x03(\x0b\x32\x14.fastgen.v1.TokenIds\"\x12\n\x10ModelInfoRequest\"\x84\x01\n\x0bReplicaInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x14\n\x0cnum_requests\x18\x05 \x01(\x04\x12\x0b\n\x03pid\x18\x06 \x01(\x03\x12\x0e\n\x06status\x18\x07 \x01(\t\"\xb6\x05\n\x11ModelInfoResponse\x12\x17\n\x0f\x64\x65ployment_name\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x12\n\nmax_length\x18\x04 \x01(\x03\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\x03\x12\x15\n\rnum_kv_blocks\x18\t \x01(\x03\x12\x14\n\x0ctoken_budget\x18\n \x01(\x03\x12\x10\n\x08max_seqs\x18\x0b \x01(\x03\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0c \x01(\x08\x12\x46\n\rengine_config\x18\r \x03(\x0b\x32/.fastgen.v1.ModelInfoResponse.EngineConfigEntry\x12)\n\x08replicas\x18\x0e \x03(\x0b\x32\x17.fastgen.v1.ReplicaInfo\x12\x0f\n\x07version\x18\x0f \x01(\t\x12\x11\n\tin_flight\x18\x10 \x01(\r\x12\x35\n\x04plan\x18\x11 \x03(\x0b\x32\'.fastgen.v1.ModelInfoResponse.PlanEntry\x12\x44\n\x0cplan_reasons\x18\x12 \x03(\x0b\x32..fastgen.v1.ModelInfoResponse.PlanReasonsEntry\x1a\x33\n\x11\x45ngineConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a+\n\tPlanEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x32\n\x10PlanReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x12\n\x10TerminateRequest\"\x13\n\x11TerminateResponse2\xfe\x02\n\x07\x46\x61stGen\x12G\n\x08Generate\x12\x1b.fastgen.v1.GenerateRequest\x1a\x1c.fastgen.v1.GenerateResponse\"\x00\x12I\n\x0eGenerateStream\x12\x1b.fastgen.v1.GenerateRequest\x1a\x16.fastgen.v1.Completion\"\x00\x30\x01\x12G\n\x08Tokenize\x12\x1b.fastgen.v1.TokenizeRequest\x1a\x1c.fastgen.v1.TokenizeResponse\"\x00\x12J\n\tModelInfo\x12\x1c.fastgen.v1.ModelInfoRequest\x1a\x1d.fastgen.v1.ModelInfoResponse\"\x00\x12J\n\tTerminate\x12\x1c.fastgen.v1.TerminateRequest\x1a\x1d.fastgen.v1.TerminateResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x66\x61stgen_v1.proto\x12\nfastgen.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"M\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.fastgen.v1.TokenIdsH\x00\x42\x08\n\x06prompt\"\xfc\t\n\x0eSamplingParams\x12\x17\n\nmax_length\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x17\n\nignore_eos\x18\x04 \x01(\x08H\x03\x88\x01\x01\x12\x16\n\tdo_sample\x18\x05 \x01(\x08H\x04\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x03H\x06\x88\x01\x01\x12\x12\n\x05top_p\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x1d\n\x10return_full_text\x18\n \x01(\x08H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\t\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x01H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\x03H\r\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\x03H\x0e\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x03H\x0f\x88\x01\x01\x12\x12\n\x05min_p\x18\x13 \x01(\x01H\x10\x88\x01\x01\x12=\n\nlogit_bias\x18\x14 \x03(\x0b\x32).fastgen.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\x03\x12\x11\n\tbad_words\x18\x16 \x03(\t\x12 \n\x13skip_special_tokens\x18\x17 \x01(\x08H\x11\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x18 \x01(\x08H\x12\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x19 \x01(\x08H\x13\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x1a \x01(\x03H\x14\x88\x01\x01\x12\x15\n\x08priority\x18\x1b \x01(\x03H\x15\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x1c \x01(\x0b\x32\x1d.fastgen.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_lengthB\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokensB\r\n\x0b_ignore_eosB\x0c\n\n_do_sampleB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x13\n\x11_return_full_textB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x04\n\x02_nB\x12\n\x10_prompt_logprobsB\x08\n\x06_min_pB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x19\n\x17_truncate_prompt_tokensB\x0b\n\t_priority\"\x8b\x02\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x13.fastgen.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1f\n\x12whitespace_pattern\x18\x06 \x01(\tH\x01\x88\x01\x01\x12#\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08H\x02\x88\x01\x01\x42\x0c\n\nconstraintB\x15\n\x13_whitespace_patternB\x19\n\x17_disable_any_whitespace\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"b\n\x0fGenerateRequest\x12#\n\x07prompts\x18\x01 \x03(\x0b\x32\x12.fastgen.v1.Prompt\x12*\n\x06params\x18\x02 \x01(\x0b\x32\x1a.fastgen.v1.SamplingParams\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"\xaa\x02\n\nCompletion\x12\x14\n\x0cprompt_index\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_length\x18\x06 \x01(\r\x12\x18\n\x10generated_length\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.fastgen.v1.TokenLogprobs\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x32\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x19.fastgen.v1.TokenLogprobs\"?\n\x10GenerateResponse\x12+\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x16.fastgen.v1.Completion\"X\n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\";\n\x10TokenizeResponse\x12\'\n\ttoken_ids\x18\x01 \x03(\x0b\x32\x14.fastgen.v1.TokenIds\"\x12\n\x10ModelInfoRequest\"\x84\x01\n\x0bReplicaInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x14\n\x0cnum_requests\x18\x05 \x01(\x04\x12\x0b\n\x03pid\x18\x06 \x01(\x03\x12\x0e\n\x06status\x18\x07 \x01(\t\"\xb6\x05\n\x11ModelInfoResponse\x12\x17\n\x0f\x64\x65ployment_name\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x12\n\nmax_length\x18\x04 \x01(\x03\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\x03\x12\x15\n\rnum_kv_blocks\x18\t \x01(\x03\x12\x14\n\x0ctoken_budget\x18\n \x01(\x03\x12\x10\n\x08max_seqs\x18\x0b \x01(\x03\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0c \x01(\x08\x12\x46\n\rengine_config\x18\r \x03(\x0b\x32/.fastgen.v1.ModelInfoResponse.EngineConfigEntry\x12)\n\x08replicas\x18\x0e \x03(\x0b\x32\x17.fastgen.v1.ReplicaInfo\x12\x0f\n\x07version\x18\x0f \x01(\t\x12\x11\n\tin_flight\x18\x10 \x01(\r\x12\x35\n\x04plan\x18\x11 \x03(\x0b\x32\'.fastgen.v1.ModelInfoResponse.PlanEntry\x12\x44\n\x0cplan_reasons\x18\x12 \x03(\x0b\x32..fastgen.v1.ModelInfoResponse.PlanReasonsEntry\x1a\x33\n\x11\x45ngineConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a+\n\tPlanEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x32\n\x10PlanReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x12\n\x10TerminateRequest\"\x13\n\x11TerminateResponse2\xfe\x02\n\x07\x46\x61stGen\x12G\n\x08Generate\x12\x1b.fastgen.v1.GenerateRequest\x1a\x1c.fastgen.v1.GenerateResponse\"\x00\x12I\n\x0eGenerateStream\x12\x1b.fastgen.v1.GenerateRequest\x1a\x16.fastgen.v1.Completion\"\x00\x30\x01\x12G\n\x08Tokenize\x12\x1b.fastgen.v1.TokenizeRequest\x1a\x1c.fastgen.v1.TokenizeResponse\"\x00\x12J\n\tModelInfo\x12\x1c.fastgen.v1.ModelInfoRequest\x1a\x1d.fastgen.v1.ModelInfoResponse\"\x00\x12J\n\tTerminate\x12\x1c.fastgen.v1.TerminateRequest\x1a\x1d.fastgen.v1.TerminateResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,37 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPT']._serialized_start=57
   _globals['_PROMPT']._serialized_end=134
   _globals['_SAMPLINGPARAMS']._serialized_start=137
-  _globals['_SAMPLINGPARAMS']._serialized_end=1354
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=914
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=962
-  _globals['_GENERATEREQUEST']._serialized_start=1356
-  _globals['_GENERATEREQUEST']._serialized_end=1454
-  _globals['_TOKENLOGPROBS']._serialized_start=1456
-  _globals['_TOKENLOGPROBS']._serialized_end=1508
-  _globals['_COMPLETION']._serialized_start=1511
-  _globals['_COMPLETION']._serialized_end=1809
-  _globals['_GENERATERESPONSE']._serialized_start=1811
-  _globals['_GENERATERESPONSE']._serialized_end=1874
-  _globals['_TOKENIZEREQUEST']._serialized_start=1876
-  _globals['_TOKENIZEREQUEST']._serialized_end=1964
-  _globals['_TOKENIZERESPONSE']._serialized_start=1966
-  _globals['_TOKENIZERESPONSE']._serialized_end=2025
-  _globals['_MODELINFOREQUEST']._serialized_start=2027
-  _globals['_MODELINFOREQUEST']._serialized_end=2045
-  _globals['_REPLICAINFO']._serialized_start=2048
-  _globals['_REPLICAINFO']._serialized_end=2180
-  _globals['_MODELINFORESPONSE']._serialized_start=2183
-  _globals['_MODELINFORESPONSE']._serialized_end=2877
-  _globals['_MODELINFORESPONSE_ENGINECONFIGENTRY']._serialized_start=2729
-  _globals['_MODELINFORESPONSE_ENGINECONFIGENTRY']._serialized_end=2780
-  _globals['_MODELINFORESPONSE_PLANENTRY']._serialized_start=2782
-  _globals['_MODELINFORESPONSE_PLANENTRY']._serialized_end=2825
-  _globals['_MODELINFORESPONSE_PLANREASONSENTRY']._serialized_start=2827
-  _globals['_MODELINFORESPONSE_PLANREASONSENTRY']._serialized_end=2877
-  _globals['_TERMINATEREQUEST']._serialized_start=2879
-  _globals['_TERMINATEREQUEST']._serialized_end=2897
-  _globals['_TERMINATERESPONSE']._serialized_start=2899
-  _globals['_TERMINATERESPONSE']._serialized_end=2918
-  _globals['_FASTGEN']._serialized_start=2921
-  _globals['_FASTGEN']._serialized_end=3303
+  _globals['_SAMPLINGPARAMS']._serialized_end=1413
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=973
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1021
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1416
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1683
+  _globals['_CHOICES']._serialized_start=1685
+  _globals['_CHOICES']._serialized_end=1711
+  _globals['_GENERATEREQUEST']._serialized_start=1713
+  _globals['_GENERATEREQUEST']._serialized_end=1811
+  _globals['_TOKENLOGPROBS']._serialized_start=1813
+  _globals['_TOKENLOGPROBS']._serialized_end=1865
+  _globals['_COMPLETION']._serialized_start=1868
+  _globals['_COMPLETION']._serialized_end=2166
+  _globals['_GENERATERESPONSE']._serialized_start=2168
+  _globals['_GENERATERESPONSE']._serialized_end=2231
+  _globals['_TOKENIZEREQUEST']._serialized_start=2233
+  _globals['_TOKENIZEREQUEST']._serialized_end=2321
+  _globals['_TOKENIZERESPONSE']._serialized_start=2323
+  _globals['_TOKENIZERESPONSE']._serialized_end=2382
+  _globals['_MODELINFOREQUEST']._serialized_start=2384
+  _globals['_MODELINFOREQUEST']._serialized_end=2402
+  _globals['_REPLICAINFO']._serialized_start=2405
+  _globals['_REPLICAINFO']._serialized_end=2537
+  _globals['_MODELINFORESPONSE']._serialized_start=2540
+  _globals['_MODELINFORESPONSE']._serialized_end=3234
+  _globals['_MODELINFORESPONSE_ENGINECONFIGENTRY']._serialized_start=3086
+  _globals['_MODELINFORESPONSE_ENGINECONFIGENTRY']._serialized_end=3137
+  _globals['_MODELINFORESPONSE_PLANENTRY']._serialized_start=3139
+  _globals['_MODELINFORESPONSE_PLANENTRY']._serialized_end=3182
+  _globals['_MODELINFORESPONSE_PLANREASONSENTRY']._serialized_start=3184
+  _globals['_MODELINFORESPONSE_PLANREASONSENTRY']._serialized_end=3234
+  _globals['_TERMINATEREQUEST']._serialized_start=3236
+  _globals['_TERMINATEREQUEST']._serialized_end=3254
+  _globals['_TERMINATERESPONSE']._serialized_start=3256
+  _globals['_TERMINATERESPONSE']._serialized_end=3275
+  _globals['_FASTGEN']._serialized_start=3278
+  _globals['_FASTGEN']._serialized_end=3660
 # @@protoc_insertion_point(module_scope)
