@@ -182,6 +182,14 @@ class _Gate:
         return self._backend.matcher(compiled)
 
 
+def run(engine) -> list:
+    """Step `engine` until it is idle; every delta."""
+    deltas = []
+    while engine.has_unfinished():
+        deltas.extend(engine.step())
+    return deltas
+
+
 def test_a_compiling_request_waits_without_blocking_others(path):
     with fastgen.pipeline(path, **SMALL) as p:
         engine = p.engine
@@ -194,29 +202,26 @@ def test_a_compiling_request_waits_without_blocking_others(path):
         for _ in range(20):
             engine.step()
         assert plain not in engine.requests  # finished while the other's grammar compiled
-        assert engine.sequences(constrained)[0].num_computed_tokens == 0
+        engine_seq = engine.sequences(constrained)[0]
+        assert engine_seq.num_computed_tokens == 0
         gate.open.set()
-        while engine.has_unfinished():
-            engine.step()
-        assert not engine.pop_failures()
+        assert not [d for d in run(engine) if d.error is not None]
+        assert re.fullmatch("[0-9]{3}", engine.final_response(engine_seq).generated_text)
 
         gate.open.clear()
         gate.error = RuntimeError("out of states")
         failing = engine.add_request("Hi", fastgen.SamplingParams(structured_outputs={"regex": "[a-z]{5}"}))
         gate.open.set()
-        while engine.has_unfinished():
-            engine.step()
-        failure = engine.pop_failures()[failing]
+        [failure] = [d.error for d in run(engine) if d.request_id == failing]
         assert isinstance(failure, RequestFailed) and "could not compile the grammar: out of states" in str(failure)
 
         compiler.timeout_s = 0.2
         gate.open.clear()
         gate.error = None
         slow = engine.add_request("Hi", fastgen.SamplingParams(structured_outputs={"regex": "[a-z]{6}"}))
-        while engine.has_unfinished():
-            engine.step()
+        [failure] = [d.error for d in run(engine) if d.request_id == slow]
         gate.open.set()
-        assert "compiling the grammar took more than 0.2 s" in str(engine.pop_failures()[slow])
+        assert "compiling the grammar took more than 0.2 s" in str(failure)
 
 
 def test_llguidance_backend(path):
