@@ -1,0 +1,190 @@
+"""Throughput through Ray Serve's HTTP proxy (1 and 2 replicas) against `scripts/serve.py` served
+directly, on the same host, with the same OpenAI requests.
+
+    python scripts/bench_ray.py [--model DIR] [--requests 48] [--concurrency 8] [--max-tokens 64]
+
+Each configuration serves the model (default: the bundled demo model) with the same engine settings
+and gets the same load: `--requests` completions of `--max-tokens` tokens each (`ignore_eos`, greedy),
+`--concurrency` at a time, streamed (server-sent events) and not, each mode `--repeats` times with
+the configurations alternating within a round. Figures: generated tokens per second of wall time
+(median over the repeats) and the proxy's overhead, 1 - Ray's tok/s / direct's. The direct server
+steps its engine on the process's main thread (`scripts/serve.py`); a Serve replica steps it on a
+thread of the replica actor. With 2 replicas on a 2-core machine each replica gets one core
+(`OMP_NUM_THREADS=1`, `num_cpus=1`), the single replica and the direct server both. Everything
+listens on 127.0.0.1; the Ray cluster is local (`ray.init(num_cpus=2)`). JSON goes to
+`bench_results/bench_ray.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE = {"progress": False}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _load(base: str, model: str, requests: int, concurrency: int, max_tokens: int, stream: bool) -> dict:
+    """Send the load; returns tokens generated, wall seconds and request latencies."""
+    gate = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+    tokens = 0
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        nonlocal tokens
+        body = {"model": model, "prompt": f"Request {i}: once upon a time", "max_tokens": max_tokens,
+                "ignore_eos": True, "temperature": 0, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        async with gate:
+            started = time.perf_counter()
+            if stream:
+                usage = None
+                async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    resp.raise_for_status()
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: {"):
+                            usage = json.loads(line[6:]).get("usage") or usage
+            else:
+                resp = await client.post("/v1/completions", json=body)
+                resp.raise_for_status()
+                usage = resp.json()["usage"]
+            latencies.append(time.perf_counter() - started)
+            tokens += usage["completion_tokens"]
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+        await asyncio.gather(*(one(client, i) for i in range(2)))  # warm-up, not counted
+        tokens, latencies[:] = 0, []
+        started = time.perf_counter()
+        await asyncio.gather(*(one(client, i) for i in range(requests)))
+        wall = time.perf_counter() - started
+    return {"tokens": tokens, "seconds": wall, "tok_per_s": tokens / wall,
+            "latency_p50_s": statistics.median(latencies)}
+
+
+class Direct:
+    """`scripts/serve.py --enable-restful-api` in its own process."""
+
+    name = "direct scripts/serve.py"
+
+    def __init__(self, model: str | None) -> None:
+        port, self.rest_port = _free_port(), _free_port()
+        argv = [sys.executable, os.path.join(REPO, "scripts", "serve.py"), "--port", str(port), "--enable-restful-api",
+                "--restful-api-port", str(self.rest_port), "--deployment-name", "bench-ray-direct", "--no-progress"]
+        # The same threads as the single Serve replica gets.
+        env = {**os.environ, "OMP_NUM_THREADS": "2"}
+        self.proc = subprocess.Popen(argv + (["--model", model] if model else []), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+        for line in self.proc.stdout:
+            if line.startswith("listening on"):
+                break
+        else:
+            raise SystemExit(f"scripts/serve.py exited with {self.proc.wait()}")
+        # Keep reading its log, so a full pipe never blocks the server.
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.rest_port}"
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)
+
+
+class RayApp:
+    """`build_app` with `replicas` replicas, behind Serve's proxy on `url`."""
+
+    def __init__(self, url: str, model: str | None, replicas: int) -> None:
+        from ray import serve
+
+        from fastgen.serving.ray_app import build_app
+
+        threads = str(2 // replicas)
+        options = {**ENGINE, "num_replicas": replicas, "deployment_name": "bench-ray",
+                   "ray_actor_options": {"num_cpus": 2 / replicas,
+                                         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}}}
+        if model:
+            options["model"] = model
+        self.name = f"Ray Serve, {replicas} replica{'s' if replicas > 1 else ''}"
+        self.url = url
+        self.app = f"bench{replicas}"
+        serve.run(build_app(options), name=self.app, route_prefix="/")
+
+    def close(self) -> None:
+        from ray import serve
+
+        serve.delete(self.app)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint (default: the bundled demo model)")
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=os.path.join(REPO, "bench_results", "bench_ray.json"))
+    args = parser.parse_args()
+
+    import ray
+    from ray import serve
+
+    from fastgen.engine import DEMO_MODEL_DIR
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    proxy_port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+    proxy = f"http://127.0.0.1:{proxy_port}"
+    model_id = args.model or os.path.basename(DEMO_MODEL_DIR)  # the id both servers list in /v1/models
+
+    results: dict[str, dict[str, list[dict]]] = {}
+    try:
+        for _ in range(args.repeats):
+            # Each configuration alone on the machine: the others are stopped before it starts.
+            for make in (lambda: Direct(args.model), lambda: RayApp(proxy, args.model, 1),
+                         lambda: RayApp(proxy, args.model, 2)):
+                server = make()
+                try:
+                    for stream in (False, True):
+                        run = asyncio.run(_load(server.url, model_id, args.requests, args.concurrency,
+                                                args.max_tokens, stream))
+                        results.setdefault(server.name, {}).setdefault("stream" if stream else "unary", []).append(run)
+                        print(f"{server.name:28s} {'stream' if stream else 'unary':6s} {run['tok_per_s']:8.1f} tok/s "
+                              f"p50 {run['latency_p50_s']:.2f} s", flush=True)
+                finally:
+                    server.close()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    summary = {name: {mode: statistics.median(r["tok_per_s"] for r in runs) for mode, runs in modes.items()}
+               for name, modes in results.items()}
+    direct = summary[Direct.name]
+    print(f"\n{'configuration':28s} {'unary tok/s':>12s} {'stream tok/s':>13s}   overhead vs direct (unary, stream)")
+    for name, modes in summary.items():
+        overhead = [1 - modes[m] / direct[m] for m in ("unary", "stream")]
+        print(f"{name:28s} {modes['unary']:12.1f} {modes['stream']:13.1f}   "
+              f"{overhead[0]:+.1%}, {overhead[1]:+.1%}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump({"args": vars(args), "runs": results, "median_tok_per_s": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
