@@ -252,7 +252,7 @@ INVALID = [  # (route, extra_body, param named in the 400)
     ("completions", {"use_beam_search": True}, "use_beam_search"), ("completions", {"priority": "high"}, "priority"),
     ("completions", {"request_id": 5}, "request_id"), ("completions", {"skip_special_tokens": "no"},
                                                        "skip_special_tokens"),
-    ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("completions", {"guided_json": 5}, "guided_json"),
     ("completions", {"stream": True, "stream_options": {"continuous_usage_stats": "yes", "include_usage": True}},
      "stream_options"),
     ("chat", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),

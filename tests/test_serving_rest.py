@@ -263,7 +263,7 @@ BAD_CHAT = [
     ({"messages": None}, "messages"), ({"messages": []}, "messages"), ({"messages": [{"role": 1}]}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"temperature": "hot"}, "temperature"),
+    ({"response_format": {"type": "xml"}}, "response_format"), ({"temperature": "hot"}, "temperature"),
 ]
 BAD_MII = [
     ({"prompts": None}, "prompts"), ({"prompts": 5}, "prompts"), ({"prompts": [1, 2]}, "prompts"),

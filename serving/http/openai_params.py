@@ -23,6 +23,7 @@ from fastgen.api import normalise_prompts
 from fastgen.sampling_params import FieldError, SamplingParams
 from fastgen.serving.http.chat import ChatPrompt, chat_prompt
 from fastgen.serving.http.guard import ApiError
+from fastgen.serving.http.structured import structured_outputs_of
 from fastgen.serving.http.request_models import OPENAI_SAMPLING_FIELDS, RequestModels, validate
 
 _MAX_SHOWN_NAMES = 20
@@ -120,6 +121,9 @@ def _parse_common(request: BaseModel, model_name: str) -> tuple[dict, Parsed]:
     kwargs.setdefault("top_p", 1.0)
     if request.min_tokens is not None:
         kwargs["min_new_tokens"] = request.min_tokens
+    constraint = structured_outputs_of(request)
+    if constraint is not None:
+        kwargs["structured_outputs"] = constraint
     truncate = request.truncate_prompt_tokens
     if truncate == 0:
         raise ApiError(400, "truncate_prompt_tokens must be >= 1 (or -1 for the whole context), got 0",

@@ -9,7 +9,8 @@ Types are strict where JSON clients differ from Python: a bool is never a number
 a number or a bool, a whole float (`50.0`) is an int, and NaN/Infinity are refused. A field this
 server does not know is kept aside (`model_extra`) to be ignored with a warning, or refused with a
 400 under `--strict-params`; a known feature this server lacks (tools, guided decoding, beam
-search, ...) is accepted only at its "off" value. `prompt` and `messages` are described here but
+search, ...) is accepted only at its "off" value. Structured-output fields are typed loosely here and
+checked by `structured.structured_outputs_of` and the engine's grammar backend. `prompt` and `messages` are described here but
 checked by `fastgen.api.normalise_prompts` and `chat.chat_conversation`, whose errors name the
 offending prompt or message. `validate` turns the first error into an OpenAI-shaped 400 naming the field.
 """
@@ -106,11 +107,6 @@ def _nothing(what: str) -> tuple[Any, str]:
 
 _OFF_ONLY: dict[str, tuple[Any, str]] = {
     "use_beam_search": (Literal[False], "no beam search"),
-    "response_format": (create_model("TextFormat", __config__=ConfigDict(extra="forbid"), type=(Literal["text"], ...)),
-                        "only plain text responses"),
-    "guided_json": _nothing("no guided decoding"), "guided_regex": _nothing("no guided decoding"),
-    "guided_choice": _nothing("no guided decoding"), "guided_grammar": _nothing("no guided decoding"),
-    "structured_outputs": _nothing("no structured outputs"),
     "logits_processors": (Annotated[list[Any], annotated_types.MaxLen(0)], "no custom logits processors"),
     "prompt_embeds": _nothing("prompts are text or token ids"),
     "logprob_token_ids": _nothing("logprobs are of the top tokens (logprobs / top_logprobs)"),
@@ -126,6 +122,12 @@ _CHAT_OFF_ONLY = {
 }
 NOT_SUPPORTED = {name: what for name, (_, what) in {**_OFF_ONLY, **_COMPLETION_OFF_ONLY, **_CHAT_OFF_ONLY}.items()}
 """Field -> what this server lacks, for the 400 refusing any value of it but "off"."""
+
+STRUCTURED_FIELDS: dict[str, Any] = {
+    "response_format": dict[str, Any], "structured_outputs": dict[str, Any], "guided_json": dict[str, Any] | str,
+    "guided_regex": Text, "guided_choice": list[Text], "guided_grammar": Text,
+}
+"""The ways of asking for structured output (`serving/http/structured.py` turns them into one spec)."""
 
 OPENAI_SAMPLING_FIELDS = ("n", "stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
                           "repetition_penalty", "ignore_eos", "stop_token_ids", "min_p", "logit_bias", "bad_words",
@@ -236,6 +238,7 @@ class RequestModels:
             "prompt_logprobs": _optional(sampling_annotation("prompt_logprobs", limits)),
             **{name: _optional(sampling_annotation(name, limits)) for name in OPENAI_SAMPLING_FIELDS},
             **{name: _optional(annotation) for name, (annotation, _) in _OFF_ONLY.items()},
+            **{name: _optional(annotation) for name, annotation in STRUCTURED_FIELDS.items()},
         }
         completion = make(
             "CompletionRequest", **common,
