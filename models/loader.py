@@ -34,10 +34,14 @@ from fastgen.models.registry import get_model_class
 
 
 class _SkipRandomInit(TorchFunctionMode):
-    """Turns the random fills of `reset_parameters` into no-ops while the model is built on meta.
+    """Turns the random fills of `reset_parameters` into no-ops while the model is built on meta, and
+    creates the parameters' `torch.empty` storage there directly.
 
     The values would be discarded anyway, and a meta `normal_` goes through `torch._refs`, whose
     first call imports `torch._dynamo` (~1.3 s that a compile-off start-up otherwise never pays).
+    `init_empty_weights` moves each parameter to meta only after its module allocated it: a stacked
+    expert tensor of a large MoE (DeepSeek-V3's 256 experts' gate/up: 30 GB in fp32) would need that
+    memory first. Buffers are never created with a bare `torch.empty`, so they stay real.
     """
 
     _RANDOM_FILLS = frozenset((torch.Tensor.normal_, torch.Tensor.uniform_, nn.init.normal_, nn.init.uniform_,
@@ -48,6 +52,8 @@ class _SkipRandomInit(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in self._RANDOM_FILLS:
             return args[0] if args else kwargs["tensor"]
+        if func is torch.empty and kwargs.get("device") is None:
+            kwargs = {**kwargs, "device": "meta"}
         return func(*args, **kwargs)
 
 
@@ -128,6 +134,9 @@ class _WeightSink:
         self.dtype = dtype
         self.device = device
         self.params = dict(model.named_parameters())
+        # Persistent buffers are checkpoint tensors too, loaded in their own dtype (the fp32 router
+        # score-correction bias of GLM-4.5 and DeepSeek-V3).
+        self.params.update(_persistent_buffers(model))
         self.packed = getattr(model, "packed_modules_mapping", {})
         # MoE models stack per-expert checkpoint weights into one parameter (see _target).
         self.experts = getattr(model, "stacked_experts_mapping", {})
@@ -301,6 +310,14 @@ class _WeightSink:
             if index == shard and f".{merged}." in f".{param_name}":
                 return param_name.replace(merged, ckpt_part)
         return param_name
+
+
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every buffer `model.state_dict()` would save."""
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
 
 
 def _safetensors_items(handle) -> Iterator[tuple[str, object]]:

@@ -15,6 +15,7 @@ model's `stacked_experts_mapping`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from torch import nn
 
 from fastgen.models.config import ModelConfig
 from fastgen.models.layers import GatedMLP, get_activation
-from fastgen.models.parallel import SINGLE, TensorParallel, all_reduce, read_slice, shape_of
+from fastgen.models.parallel import SINGLE, TensorParallel, all_reduce, read_slice, read_whole, shape_of
 
 # Reading one selected expert's weights through a gather costs about three passes over them (read,
 # write the copy, read the copy) against one pass over every expert for the dense path.
@@ -134,7 +135,9 @@ class Router(nn.Linear):
     def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
         super().__init__(hidden_size, moe.num_experts, bias=False)
         if moe.score_correction_bias:
-            self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts))
+            # A persistent buffer, as in transformers (a statistic, not a trained weight: not counted as a
+            # parameter), loaded from the checkpoint and kept in fp32 as transformers keeps it.
+            self.register_buffer("e_score_correction_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
 
 
 class StackedExperts(nn.Module):
@@ -160,7 +163,10 @@ class StackedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, bias: bool = False,
+                 glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+        """`bias`: per-expert biases on both projections (gpt-oss). `glu(gate, up)`: the gated activation,
+        by default `act(gate) * up` with `hidden_act`'s activation."""
         super().__init__()
         self.tp = tp
         self.num_experts = num_experts
@@ -169,13 +175,23 @@ class StackedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.act = get_activation(hidden_act)
+        self.has_bias = bias
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        act = get_activation(hidden_act)
+        self.glu = glu if glu is not None else (lambda gate, up: act(gate) * up)
         # Checkpoints keep gate and up apart: the loader fills these rows of each expert separately.
         self.output_sizes = {"gate_up_proj": [intermediate_size, intermediate_size]}
 
     def load_checkpoint_shard(self, attr: str, shard: int | None, full) -> torch.Tensor:
         """This rank's intermediate columns of one expert's tensor (2-D) or of the fused stack (3-D)."""
         size, start = self.intermediate_size, self.tp.rank * self.intermediate_size
+        if attr == "down_proj_bias":  # [E, H]: whole on every rank (rank 0 adds it)
+            return read_whole(full)
+        if attr == "gate_up_proj_bias":  # [E, 2I]: this rank's gate columns, then its up columns
+            return torch.cat([read_slice(full, 1, start, size),
+                              read_slice(full, 1, self.full_intermediate_size + start, size)], dim=1)
         fused = len(shape_of(full)) == 3
         if attr == "down_proj":
             return read_slice(full, 2 if fused else 1, start, size)
@@ -184,6 +200,10 @@ class StackedExperts(nn.Module):
         # Fused gate|up rows: this rank's gate rows, then its up rows.
         return torch.cat([read_slice(full, 1, start, size),
                           read_slice(full, 1, self.full_intermediate_size + start, size)], dim=1)
+
+    def _adds_down_bias(self) -> bool:
+        """The down projection's bias is added once: by rank 0, before the all-reduce sums the ranks."""
+        return self.has_bias and self.tp.rank == 0
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's selected experts: `hidden [T, H]`, weights/ids `[T, k]` -> `[T, H]`."""
@@ -198,11 +218,16 @@ class StackedExperts(nn.Module):
         combine = torch.zeros(num_tokens, self.num_experts, dtype=hidden.dtype, device=hidden.device)
         combine.scatter_(1, topk_ids, topk_weights.to(hidden.dtype))
         gate_up = F.linear(hidden, self.gate_up_proj.flatten(0, 1))  # [T, E*2I]
-        gate_up = gate_up.view(num_tokens, self.num_experts, 2 * self.intermediate_size).transpose(0, 1)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        gate_up = gate_up.view(num_tokens, self.num_experts, 2 * self.intermediate_size)
+        if self.has_bias:
+            gate_up = gate_up + self.gate_up_proj_bias
+        gate, up = gate_up.transpose(0, 1).split(self.intermediate_size, dim=-1)
         # Weighting before down_proj (it is linear) leaves only a sum over experts afterwards.
-        act = self.act(gate) * up * combine.t().unsqueeze(-1)  # [E, T, I]
-        return torch.bmm(act, self.down_proj.transpose(1, 2)).sum(dim=0)
+        act = self.glu(gate, up) * combine.t().unsqueeze(-1)  # [E, T, I]
+        out = torch.bmm(act, self.down_proj.transpose(1, 2)).sum(dim=0)
+        if self._adds_down_bias():
+            out = out + combine @ self.down_proj_bias  # each picked expert's bias, by its weight
+        return out
 
     def _gathered(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """One batched matrix-vector product per (token, expert) pair over gathered weights."""
@@ -210,8 +235,13 @@ class StackedExperts(nn.Module):
         ids = topk_ids.flatten()
         pairs = hidden.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
         gate_up = torch.bmm(self.gate_up_proj[ids], pairs).squeeze(-1)  # [T*k, 2I]
+        if self.has_bias:
+            gate_up = gate_up + self.gate_up_proj_bias[ids]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        out = torch.bmm(self.down_proj[ids], (self.act(gate) * up).unsqueeze(-1)).view(num_tokens, top_k, -1)
+        out = torch.bmm(self.down_proj[ids], self.glu(gate, up).unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+        if self._adds_down_bias():
+            out = out + self.down_proj_bias[ids]
+        out = out.view(num_tokens, top_k, -1)
         return (out * topk_weights.to(hidden.dtype).unsqueeze(-1)).sum(dim=1)
 
 

@@ -6,12 +6,14 @@ from types import MappingProxyType
 
 from torch import nn
 
+from fastgen.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastgen.models.falcon import FalconForCausalLM
 from fastgen.models.gemma import GemmaForCausalLM
 from fastgen.models.gemma3 import Gemma3ForCausalLM
 from fastgen.models.glm4_moe import Glm4MoeForCausalLM
 from fastgen.models.gpt2 import GPT2LMHeadModel
 from fastgen.models.granite import GraniteForCausalLM
+from fastgen.models.gpt_oss import GptOssForCausalLM
 from fastgen.models.llama import LlamaForCausalLM
 from fastgen.models.mixtral import MixtralForCausalLM
 from fastgen.models.olmo import OlmoForCausalLM
@@ -41,6 +43,9 @@ MODEL_REGISTRY: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "granite": GraniteForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "olmo3": OlmoForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "kimi_k2": DeepseekV3ForCausalLM,
 })
 """Every supported `model_type` and the class that serves it."""
 

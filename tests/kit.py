@@ -130,6 +130,29 @@ TINY_CONFIGS: dict[str, tuple[type, dict]] = {
              n_group=4, topk_group=2, routed_scaling_factor=1.5, first_k_dense_replace=1, use_qk_norm=True,
              attention_bias=True),
     ),
+    # Attention sinks, a sliding layer (window 12, below the longer prompts) then a full one, q/k/v/o
+    # biases, top-2 of 8 biased experts with a clamp (swiglu_limit 3) that bites at this init, YaRN
+    # without truncation (gpt-oss's own rope), head_dim 32 != hidden / heads.
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, head_dim=32, sliding_window=12,
+             layer_types=["sliding_attention", "full_attention"], swiglu_limit=3.0, rope_theta=150000.0,
+             rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                           "truncate": False, "original_max_position_embeddings": 128}),
+    ),
+    # MLA (latent cache of 32 + 16 values, q LoRA, v_head_dim 24 != qk 48, interleaved rope with YaRN
+    # whose mscale_all_dim scales the softmax), layer 0 dense (first_k_dense_replace), layer 1 8 routed
+    # experts in 4 groups of which 2 stay eligible, top-2, plus a shared expert. The router's
+    # score-correction bias (zero at HF's init) and q_lora_rank=None are tests/test_deepseek_v3.py's.
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32,
+             v_head_dim=24, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, num_experts_per_tok=2,
+             n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+             rope_interleave=True, num_mtp_layers=0,
+             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                           "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    ),
 }
 
 

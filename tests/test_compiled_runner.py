@@ -34,7 +34,7 @@ def test_padded_buckets_equal_exact_shapes(model_type, tiny_checkpoints):
     assert pipe.engine.block_manager.num_free_blocks == SMALL["num_kv_blocks"]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mixtral", "gemma2"])
+@pytest.mark.parametrize("model_type", ["llama", "mixtral", "gemma2", "gpt_oss", "deepseek_v3"])
 def test_compiled_equals_eager_without_recompiling(model_type, tiny_checkpoints):
     path = tiny_checkpoints[model_type]
     eager, _ = _generate(path)

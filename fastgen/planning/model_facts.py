@@ -18,7 +18,7 @@ from torch import nn
 from fastgen.models.config import ModelConfig
 from fastgen.models.layers import decoder_layers
 from fastgen.models.loader import build_empty_model, resolve_model_dir
-from fastgen.models.moe import SparseMoeBlock
+from fastgen.models.moe import StackedExperts
 from fastgen.models.quant import DEFAULT_GROUP_SIZE, quantizable_linears, quantized_weight_bytes
 
 
@@ -38,9 +38,9 @@ class ModelFacts:
     num_heads: int
     """Query heads per layer."""
     num_kv_heads: int
-    """Key/value heads per layer."""
+    """Key/value heads per layer (MLA: 1, the latent every query head attends)."""
     head_dim: int
-    """Per-head width."""
+    """Per-head width of the attention (MLA: the latent vector's, which the absorbed heads attend over)."""
     hidden_size: int
     """Width of the residual stream."""
     intermediate_size: int
@@ -103,7 +103,8 @@ def model_facts(model_name_or_path: str) -> ModelFacts:
 def facts_from_config(config: ModelConfig) -> ModelFacts:
     """Facts about the model that `config` describes, counted on its model built on the meta device."""
     model = build_empty_model(config)
-    moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    # An MoE block (`SparseMoeBlock` or a family's own) holds its routed experts as `experts`.
+    moe_blocks = [m for m in model.modules() if isinstance(getattr(m, "experts", None), StackedExperts)]
     intermediate = config.intermediate_size
     if moe_blocks:
         block = moe_blocks[0]
@@ -115,8 +116,8 @@ def facts_from_config(config: ModelConfig) -> ModelFacts:
         active_params=_active_params(model, moe_blocks),
         num_layers=config.num_layers,
         num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
+        num_kv_heads=1 if config.kv_latent_dim else config.num_kv_heads,
+        head_dim=config.kv_latent_dim or config.head_dim,
         hidden_size=config.hidden_size,
         intermediate_size=intermediate,
         vocab_size=config.vocab_size,
@@ -130,7 +131,7 @@ def facts_from_config(config: ModelConfig) -> ModelFacts:
     )
 
 
-def _active_params(model: nn.Module, moe_blocks: list[SparseMoeBlock]) -> int:
+def _active_params(model: nn.Module, moe_blocks: list[nn.Module]) -> int:
     """Parameters one token multiplies, counted module by module on `model`."""
     share = {id(b.experts): b.top_k / b.experts.num_experts for b in moe_blocks}
     active = 0.0
