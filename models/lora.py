@@ -1,0 +1,241 @@
+"""LoRA adapters in PEFT's format, read and checked against the decoder they will run beside.
+
+A PEFT adapter directory holds `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`,
+`target_modules`, ...) and `adapter_model.safetensors` with one pair per adapted linear:
+`base_model.model.<HF module>.lora_A.weight` `[r, in]` and `.lora_B.weight` `[out, r]`. The HF module
+names map onto the decoder's modules the way checkpoint weights do (the family's
+`packed_modules_mapping`): `q_proj`'s pair lands on the rows of our merged `qkv_proj` that hold q.
+
+Per decoder module the adapter becomes one `(A, B)` pair: the pairs of the checkpoint projections
+packed into it are stacked along the rank (A's rows) and placed block-wise in B (each on its own
+output rows, zeros elsewhere), so one shrink and one expand serve the merged linear
+(`fastgen.ops.lora`). The scale is `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`.
+
+Every problem is a ValueError naming it, before anything is handed out: missing or corrupt files,
+a rank over `max_lora_rank`, a target the model does not have, shapes that do not fit the base, and
+the PEFT features not implemented (DoRA, LoRA biases, `modules_to_save`, per-module rank/alpha
+patterns, adapted embeddings or LM head, `fan_in_fan_out`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_EMBEDDING_TARGETS = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out", "word_embeddings")
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One decoder linear's adapter weights: `a[rank, in]`, `b[out, rank]` (scale not folded in)."""
+
+    a: torch.Tensor
+    """Shrink weights, the packed projections' A stacked along the rank."""
+    b: torch.Tensor
+    """Expand weights, each packed projection's B on its own output rows (zeros elsewhere)."""
+
+    @property
+    def rank(self) -> int:
+        """Rows of `a` (the adapter's r times the packed projections it adapts)."""
+        return self.a.shape[0]
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """A loaded, checked PEFT LoRA adapter, keyed by the decoder's module names."""
+
+    name: str
+    """The adapter's name (what requests select it by)."""
+    path: str
+    """The directory it was read from."""
+    rank: int
+    """PEFT's `r`."""
+    scale: float
+    """`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`."""
+    modules: dict[str, LoRAModule]
+    """Decoder module name (`model.layers.0.self_attn.qkv_proj`) -> its weights."""
+
+
+def _refuse_unsupported(config: dict, where: str) -> None:
+    """ValueError for a PEFT feature fastgen does not implement, naming it."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
+    refused = {
+        "use_dora": "DoRA (use_dora) is not supported",
+        "lora_bias": "LoRA biases (lora_bias) are not supported",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D-layout) adapters are not supported",
+        "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
+        "rank_pattern": "per-module ranks (rank_pattern) are not supported",
+        "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
+        "trainable_token_indices": "trainable_token_indices is not supported",
+        "layer_replication": "layer_replication is not supported",
+    }
+    for key, reason in refused.items():
+        if config.get(key):
+            raise ValueError(f"{where}: {reason}")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"{where}: bias={config['bias']!r} is not supported (only 'none')")
+
+
+def _read_config(path: str) -> dict:
+    """The adapter's config, ValueError when it is missing or not a JSON object."""
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ValueError(f"LoRA adapter {path!r} has no {CONFIG_FILE}")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"LoRA adapter {config_path!r} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {config_path!r} is not a JSON object")
+    return config
+
+
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of `adapter_model.safetensors`, ValueError when it is missing or unreadable."""
+    weights_path = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights_path):
+        if os.path.isfile(os.path.join(path, "adapter_model.bin")):
+            raise ValueError(f"LoRA adapter {path!r} holds only adapter_model.bin; fastgen loads safetensors")
+        raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")
+    try:
+        with safe_open(weights_path, framework="pt", device="cpu") as handle:
+            return {key: handle.get_tensor(key) for key in handle.keys()}
+    except Exception as exc:  # safetensors raises its own error types for a damaged file
+        raise ValueError(f"LoRA adapter {weights_path!r} is corrupt: {exc}") from exc
+
+
+def _positive_number(config: dict, key: str, where: str) -> float:
+    """`config[key]` as a positive number, ValueError otherwise."""
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{where}: {key} must be a positive number, got {value!r}")
+    return value
+
+
+def _linears(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's linears by module name (anything with `in_features`/`out_features`, quantized included)."""
+    return {name: module for name, module in model.named_modules()
+            if hasattr(module, "in_features") and hasattr(module, "out_features")}
+
+
+def _known_targets(model: nn.Module, linears: dict[str, nn.Module]) -> set[str]:
+    """The `target_modules` names an adapter of this model may use: HF's and ours (leaf names)."""
+    leaves = {name.rpartition(".")[2] for name in linears}
+    packed = getattr(model, "packed_modules_mapping", {})
+    return leaves | {hf for hf, (ours, _) in packed.items() if ours in leaves}
+
+
+def _module_target(hf_module: str, packed: dict) -> tuple[str, int | None]:
+    """Our module name and shard index (None = the whole module) for an HF module path."""
+    parts = hf_module.split(".")
+    shard = None
+    for i, part in enumerate(parts):
+        if part in packed:
+            parts[i], index = packed[part]
+            shard = index if index is not None else shard
+    return ".".join(parts), shard
+
+
+def _check_targets(config: dict, model: nn.Module, linears: dict[str, nn.Module], where: str) -> None:
+    """ValueError for a `target_modules` entry the model has no linear for, or an embedding/head target."""
+    targets = config.get("target_modules")
+    if isinstance(targets, str) or targets is None:
+        return  # a regex or "all-linear": the weight names say what is adapted, and each is checked
+    known = _known_targets(model, linears)
+    for target in targets:
+        leaf = str(target).rpartition(".")[2]
+        if leaf in _EMBEDDING_TARGETS:
+            raise ValueError(f"{where}: adapting {target!r} (embedding / LM head) is not supported")
+        if leaf not in known:
+            raise ValueError(f"{where}: target module {target!r} is not a linear of {type(model).__name__} "
+                             f"(known: {sorted(known)})")
+
+
+def _pairs(weights: dict[str, torch.Tensor], where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF module path -> (A, B), ValueError for a stray tensor or half a pair."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in weights.items():
+        for half in ("lora_A", "lora_B"):
+            suffix = f".{half}.weight"
+            if key.startswith(_PREFIX) and key.endswith(suffix):
+                halves.setdefault(key[len(_PREFIX):-len(suffix)], {})[half] = tensor
+                break
+        else:
+            if "lora_embedding" in key:
+                raise ValueError(f"{where}: adapted embeddings ({key!r}) are not supported")
+            raise ValueError(f"{where}: tensor {key!r} is not a PEFT LoRA weight "
+                             f"('{_PREFIX}<module>.lora_A.weight' / 'lora_B.weight')")
+    pairs = {}
+    for module, found in halves.items():
+        if set(found) != {"lora_A", "lora_B"}:
+            missing = ({"lora_A", "lora_B"} - set(found)).pop()
+            raise ValueError(f"{where}: {module} has no {missing} weight")
+        pairs[module] = (found["lora_A"], found["lora_B"])
+    if not pairs:
+        raise ValueError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
+    return pairs
+
+
+def load_lora_adapter(name: str, path: str, model: nn.Module, max_lora_rank: int,
+                      dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+    """Read the PEFT adapter at `path` for `model` (a `DecoderLM`, meta weights are enough) and check it.
+
+    ValueError, naming the problem, for missing or corrupt files, `r` over `max_lora_rank`, an
+    unknown target module, a shape that does not fit the base linear, or a PEFT feature not implemented.
+    """
+    where = f"LoRA adapter {name!r} ({path})"
+    config = _read_config(path)
+    _refuse_unsupported(config, where)
+    if getattr(model, "adapt_checkpoint_tensor", None) is not None:
+        raise ValueError(f"{where}: LoRA for {model.config.model_type} is not supported yet "
+                         f"(its checkpoint layout is rewritten at load)")
+    if model.config.parallel.size > 1:
+        raise ValueError(f"{where}: LoRA under tensor parallelism is not supported yet")
+    rank = _positive_number(config, "r", where)
+    if not isinstance(rank, int):
+        raise ValueError(f"{where}: r must be an integer, got {rank!r}")
+    if rank > max_lora_rank:
+        raise ValueError(f"{where}: rank {rank} exceeds max_lora_rank {max_lora_rank}")
+    alpha = _positive_number(config, "lora_alpha", where)
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    linears = _linears(model)
+    _check_targets(config, model, linears, where)
+    packed = getattr(model, "packed_modules_mapping", {})
+    pieces: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
+    for hf_module, (a, b) in sorted(_pairs(_read_weights(path), where).items()):
+        ours, shard = _module_target(hf_module, packed)
+        base = linears.get(ours)
+        if base is None:
+            raise ValueError(f"{where}: weights name module {hf_module!r}, which {type(model).__name__} has no "
+                             f"linear for")
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise ValueError(f"{where}: {hf_module} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
+                             f"not rank {rank} (r in {CONFIG_FILE})")
+        sizes = getattr(base, "output_sizes", None)
+        rows = base.out_features if shard is None else sizes[shard]
+        if a.shape[1] != base.in_features or b.shape[0] != rows:
+            raise ValueError(f"{where}: {hf_module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but the base "
+                             f"linear takes {base.in_features} inputs to {rows} outputs")
+        pieces.setdefault(ours, []).append((shard, a, b))
+    modules = {}
+    for ours, parts in pieces.items():
+        base = linears[ours]
+        sizes = getattr(base, "output_sizes", None)
+        b_full = torch.zeros(base.out_features, rank * len(parts), dtype=dtype)
+        for i, (shard, _, b) in enumerate(parts):
+            start = 0 if shard is None else sum(sizes[:shard])
+            b_full[start:start + b.shape[0], i * rank:(i + 1) * rank] = b
+        a_full = torch.cat([a for _, a, _ in parts]).to(dtype)
+        modules[ours] = LoRAModule(a=a_full, b=b_full)
+    return LoRAAdapter(name=name, path=path, rank=rank, scale=scale, modules=modules)

@@ -1,0 +1,118 @@
+"""LoRA adapters in PEFT's format: our loader and batched delta against peft's own LoRA layers (fp32)."""
+
+import json
+import os
+
+import peft
+import pytest
+import torch
+import transformers
+
+from fastgen.models.config import ModelConfig
+from fastgen.models.loader import build_empty_model
+from fastgen.models.lora import load_lora_adapter
+from fastgen.ops.lora import LoRAStack
+from kit import build_checkpoint
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    ckpt = build_checkpoint(str(root / "llama"), "llama")
+    adapters = {}
+    for name, seed, rslora in (("a", 1, False), ("b", 2, True)):
+        torch.manual_seed(seed)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        cfg = peft.LoraConfig(r=4 if name == "a" else 2, lora_alpha=8, use_rslora=rslora,
+                              target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        pm = peft.get_peft_model(hf, cfg)
+        pm.save_pretrained(str(root / name))
+        adapters[name] = (str(root / name), pm)
+    model = build_empty_model(ModelConfig.from_file(os.path.join(ckpt, "config.json")))
+    return root, model, adapters
+
+
+def _stack(model, adapters, module, max_rank=8):
+    base = model.get_submodule(module)
+    stack = LoRAStack(2, max_rank * 3, base.in_features, base.out_features)
+    for slot, name in enumerate(("a", "b")):
+        loaded = load_lora_adapter(name, adapters[name][0], model, max_lora_rank=max_rank)
+        stack.set(slot, loaded.modules[module].a, loaded.modules[module].b, loaded.scale)
+    return stack
+
+
+def test_mixed_batch_matches_peft(setup):
+    _, model, adapters = setup
+    stack = _stack(model, adapters, "model.layers.0.self_attn.qkv_proj")
+    torch.manual_seed(0)
+    x = torch.randn(6, 64)
+    slots = torch.tensor([-1, 0, 1, 0, -1, 1])
+    layers = {n: pm.base_model.model.model.layers[0].self_attn for n, (_, pm) in adapters.items()}
+    attn = layers["a"]
+    base_w = torch.cat([attn.q_proj.base_layer.weight, attn.k_proj.weight, attn.v_proj.base_layer.weight])
+    out = stack.apply(x @ base_w.t(), x, slots)
+    with torch.no_grad():
+        for row, slot in enumerate(slots.tolist()):
+            xr = x[row:row + 1]
+            if slot < 0:
+                want = xr @ base_w.t()
+            else:
+                a = layers["ab"[slot]]
+                want = torch.cat([a.q_proj(xr), a.k_proj(xr), a.v_proj(xr)], dim=1)
+            torch.testing.assert_close(out[row:row + 1], want, rtol=1e-5, atol=1e-5)
+            alone = stack.apply(xr @ base_w.t(), xr, slots[row:row + 1])
+            torch.testing.assert_close(out[row:row + 1], alone, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(out[1], out[0])
+
+
+def test_rslora_scale(setup):
+    _, model, adapters = setup
+    b = load_lora_adapter("b", adapters["b"][0], model, max_lora_rank=8)
+    assert b.scale == pytest.approx(8 / 2 ** 0.5)
+    a = load_lora_adapter("a", adapters["a"][0], model, max_lora_rank=8)
+    assert a.scale == pytest.approx(8 / 4)
+
+
+def _copy(root, src, name, **config_changes):
+    import shutil
+    dst = root / name
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"use_dora": True}, "DoRA"),
+    ({"bias": "all"}, "bias"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"target_modules": ["nope_proj"]}, "nope_proj"),
+    ({"target_modules": ["lm_head"]}, "not supported"),
+    ({"r": 16}, "rank"),
+])
+def test_bad_config(setup, changes, message):
+    root, model, adapters = setup
+    path = _copy(root, adapters["a"][0], "bad", **changes)
+    with pytest.raises(ValueError, match=message):
+        load_lora_adapter("bad", path, model, max_lora_rank=8)
+
+
+def test_rank_over_max(setup):
+    _, model, adapters = setup
+    with pytest.raises(ValueError, match="exceeds max_lora_rank 2"):
+        load_lora_adapter("a", adapters["a"][0], model, max_lora_rank=2)
+
+
+def test_missing_corrupt_and_shape(setup, tmp_path):
+    root, model, adapters = setup
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        load_lora_adapter("x", str(tmp_path), model, max_lora_rank=8)
+    path = _copy(root, adapters["a"][0], "corrupt")
+    with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"garbage")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_lora_adapter("x", path, model, max_lora_rank=8)
+    other = build_empty_model(ModelConfig.from_dict({**model.config.raw, "hidden_size": 32, "head_dim": 8}))
+    with pytest.raises(ValueError, match="base linear takes"):
+        load_lora_adapter("a", adapters["a"][0], other, max_lora_rank=8)
