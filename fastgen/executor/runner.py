@@ -184,12 +184,16 @@ class ModelRunner:
                 layer.compile(fullgraph=True, dynamic=not self.buckets, mode=mode)
             else:  # Module.compile would trace the offload hooks too: compile only the layer's own forward
                 layer.forward = torch.compile(layer.forward, fullgraph=True, dynamic=not self.buckets, mode=mode)
-        # Dynamo counts specialisations per code object (`Module._call_impl`, shared by every compiled
-        # module of this process: earlier pipelines of a notebook, other tests); the layer kinds of
-        # this model (sliding/global, dense/MoE) each need one per shape.
-        codes = {nn.Module._call_impl.__code__} if self.offload is None else {type(l).forward.__code__ for l in layers}
+        # Dynamo counts specialisations per code object (`Module._call_impl` and each layer class's
+        # `forward`, shared by every compiled module of this process: earlier pipelines of a notebook,
+        # other tests). Layers of one class can differ in what Dynamo guards on (a NoPE layer's missing
+        # rotary, a sliding window, dense/MoE), so each layer may be a specialisation of its own per
+        # shape; the limit is a ceiling, not a cost.
+        codes = {type(layer).forward.__code__ for layer in layers}
+        if self.offload is None:
+            codes.add(nn.Module._call_impl.__code__)
         others = sum(len(_debug_get_cache_entry_list(code)) for code in codes)
-        kinds = len({type(layer) for layer in layers}) * 4
+        kinds = len(layers) * 4
         self._recompile_limit = others + kinds * max(1, len(self.buckets)) + 8
 
     def _forward(self, *tensors: torch.Tensor) -> torch.Tensor:
