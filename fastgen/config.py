@@ -13,7 +13,11 @@ from typing import Any
 
 import torch
 
-from fastgen.planning.plan import PLAN_FIELDS, PLAN_SPECS
+from fastgen.planning.plan import PLAN_FIELDS, PLAN_SPECS, argument_type
+
+__all__ = ["EngineConfig", "argument_type"]
+"""`argument_type` is re-exported for `scripts/serve.py`'s parser, which parses plan fields as
+`python -m fastgen.planning` does."""
 
 
 @dataclass(slots=True)

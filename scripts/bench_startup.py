@@ -81,7 +81,7 @@ def run_serve(compile_mode: str, buckets: list[int] | None, prompt: str, env: di
            "--host", "127.0.0.1", "--port", str(port), "--deployment-name", f"bench-startup-{os.getpid()}",
            "--no-progress", "--compile", compile_mode]
     if buckets:
-        cmd += ["--buckets", *map(str, buckets)]
+        cmd += ["--buckets", ",".join(map(str, buckets))]
     log = tempfile.NamedTemporaryFile("w+", prefix="fastgen-serve-", suffix=".log", delete=False)
     client = fastgen.client(f"127.0.0.1:{port}")
     spawn = time.time()

@@ -1,6 +1,8 @@
 """The launcher's command line: deployment, security and engine options, and their validation.
 
-Every EngineConfig field is a flag (`--num-kv-blocks 64`, `--no-prefix-caching`); `engine_argv`
+Every EngineConfig field is a flag (`--num-kv-blocks 64`, `--no-prefix-caching`). A plan field's
+value is read by the field's own parser, the one `python -m fastgen.planning` uses, so both take
+the same spelling (`--buckets 1,8,64`, `--cuda-graphs no`, `--speculative-config '{...}'`); `engine_argv`
 turns keywords back into flags, so `fastgen.serve` and the replica front end launch processes
 with the same spelling the parser reads. The key and bounds flags become one `ServingLimits`
 shared by the gRPC server and the REST gateway.
@@ -10,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from typing import Any
 
-from fastgen.config import EngineConfig
+from fastgen.config import EngineConfig, argument_type
 from fastgen.engine import DEMO_MODEL_DIR
 from fastgen.serving.deploy import registry
 from fastgen.serving.limits import (API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST,
@@ -40,15 +43,20 @@ def engine_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(EngineConfig) if f.name not in _SEPARATE]
 
 
+def _is_plan_field(field: dataclasses.Field) -> bool:
+    """Whether the field is one of the plan's (declared with its own command-line parser)."""
+    return "parse" in field.metadata
+
+
 def _kind(field: dataclasses.Field) -> str:
-    """How a field is spelled on the command line: "bool", "ints" (a list), "number", "int" or "str"."""
+    """How a field is spelled on the command line: "bool" (a switch), "plan" (read by the plan
+    field's own parser), "int" or "str"."""
     kind = str(field.type)
-    if kind.startswith(("tuple[", "list[")):
-        return "ints"
-    for name in ("bool", "float", "int"):
-        if name in kind:
-            return "number" if name == "float" else name
-    return "str"
+    if "bool" in kind:
+        return "bool"
+    if _is_plan_field(field):
+        return "plan"
+    return "int" if "int" in kind else "str"
 
 
 def _flag(field: dataclasses.Field, value: bool = True) -> str:
@@ -62,14 +70,6 @@ def _flag(field: dataclasses.Field, value: bool = True) -> str:
     return "--" + name
 
 
-def _number(text: str) -> int | float:
-    """An int if it looks like one (bytes), else a float (a fraction)."""
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
-
-
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options (EngineConfig fields; unset = the engine's default or the "
                                       "policy's choice, see python -m fastgen.planning)")
@@ -77,16 +77,23 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         kind = _kind(field)
         if kind == "bool":
             # A bool that defaults to True only needs turning off; one that defaults to None (the
-            # policy decides) or False can be set either way.
+            # policy decides) or False can be set either way. A plan switch also takes a value
+            # (`--cuda-graphs no`), as `python -m fastgen.planning` does.
             for value in (True, False):
-                if value != field.default:
+                if value == field.default:
+                    continue
+                if value and _is_plan_field(field):
+                    group.add_argument(_flag(field, value), dest=field.name, type=argument_type(field.name),
+                                       nargs="?", const=True, default=None,
+                                       help=f"EngineConfig.{field.name} = true (or the value given)")
+                else:
                     group.add_argument(_flag(field, value), dest=field.name, action="store_const", const=value,
                                        default=None, help=f"EngineConfig.{field.name} = {value}")
             continue
-        convert = {"ints": int, "number": _number, "int": int, "str": str}[kind]
+        convert = argument_type(field.name) if kind == "plan" else {"int": int, "str": str}[kind]
         default = "" if field.default is None else f" (default: {field.default})"
         group.add_argument(_flag(field), dest=field.name, type=convert, default=None,
-                           nargs="+" if kind == "ints" else None, help=f"EngineConfig.{field.name}{default}")
+                           help=f"EngineConfig.{field.name}{default}")
 
 
 def _add_security_flags(parser: argparse.ArgumentParser) -> None:
@@ -122,11 +129,18 @@ def engine_argv(options: dict[str, Any]) -> list[str]:
         if kind == "bool":
             if value != field.default:
                 argv.append(_flag(field, value))
-        elif kind == "ints":
-            argv += [_flag(field), *(str(v) for v in value)]
         else:
-            argv += [_flag(field), str(value).removeprefix("torch.")]
+            argv += [_flag(field), _flag_value(value)]
     return argv
+
+
+def _flag_value(value: Any) -> str:
+    """`value` as the text its flag's parser reads back (ints comma-separated, a dict as JSON)."""
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value).removeprefix("torch.")
 
 
 def limits_argv(limits: ServingLimits, pending: bool = True) -> list[str]:

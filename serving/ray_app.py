@@ -219,8 +219,7 @@ def _parse_flags(strings: dict[str, str]) -> dict[str, Any]:
             if match:
                 argv.append(match[0].option_strings[0])
             continue  # the field's default already is `want`
-        values = text.replace(",", " ").split() if flags[0].nargs == "+" else [text]
-        argv += [flags[0].option_strings[0], *values]
+        argv += [flags[0].option_strings[0], text]
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):

@@ -253,14 +253,14 @@ def test_build_app_checks_its_options_before_ray_starts_anything():
 
 def test_build_app_options_reach_serve():
     """Strings parse as the launcher's flags do; Ray's options become the deployment's; TP gets one bundle per rank."""
-    app = build_app({"num_kv_blocks": "64", "enable_prefix_caching": "false", "buckets": "1,2,4",
+    app = build_app({"num_kv_blocks": "64", "enable_prefix_caching": "false", "buckets": "1,2,4", "cuda_graphs": "no",
                      "autoscaling_config": '{"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8}',
                      "max_ongoing_requests": "16", "drain_timeout": "5", "tensor_parallel": "2",
                      "ray_actor_options": {"num_cpus": 2}})
     deployment = app._bound_deployment
     (options,) = deployment.init_args
-    assert options.engine == {"num_kv_blocks": 64, "enable_prefix_caching": False, "buckets": [1, 2, 4],
-                              "tensor_parallel": 2}
+    assert options.engine == {"num_kv_blocks": 64, "enable_prefix_caching": False, "buckets": (1, 2, 4),
+                              "cuda_graphs": False, "tensor_parallel": 2}
     config = deployment._deployment_config
     assert config.max_ongoing_requests == 16 and config.graceful_shutdown_timeout_s == 5
     assert config.autoscaling_config.max_replicas == 3 and config.autoscaling_config.target_ongoing_requests == 8

@@ -246,10 +246,32 @@ def test_launcher_rejects_bad_options(capsys):
     options = {"dtype": "bfloat16", "enable_prefix_caching": False, "cuda_graphs": False, "buckets": (1, 4),
                "kv_cache_memory": 0.5, "num_kv_blocks": 64, "seed": None}
     argv = launcher.engine_argv(options)
-    assert argv == ["--dtype", "bfloat16", "--no-prefix-caching", "--no-cuda-graphs", "--buckets", "1", "4",
+    assert argv == ["--dtype", "bfloat16", "--no-prefix-caching", "--no-cuda-graphs", "--buckets", "1,4",
                     "--kv-cache-memory", "0.5", "--num-kv-blocks", "64"]
     args = vars(launcher.build_parser().parse_args(argv))
-    assert {name: args[name] for name in options} == {**options, "buckets": [1, 4]}
+    assert {name: args[name] for name in options} == options
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    args = vars(launcher.build_parser().parse_args(launcher.engine_argv({"speculative_config": spec})))
+    assert args["speculative_config"].to_dict() == spec
+
+
+def test_serve_and_planning_flags_take_the_same_spelling():
+    """Every plan field reads its value with the field's own parser in both command lines, so what
+    `python -m fastgen.planning` takes, `scripts/serve.py` takes too, to the same value."""
+    from fastgen.planning.cli import build_parser as planning_parser
+
+    spellings = [["--buckets", "1,8,64"], ["--cuda-graphs", "no"], ["--cuda-graphs"], ["--weight-prepack", "true"],
+                 ["--kv-cache-memory", "0.5"], ["--kv-cache-memory", "1000000"], ["--token-budget", "256"],
+                 ["--compile", "off"], ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']]
+    for argv in spellings:
+        name = argv[0][2:].replace("-", "_")
+        served = getattr(launcher.build_parser().parse_args(argv), name)
+        planned = getattr(planning_parser().parse_args(["MODEL", *argv]), name)
+        assert served == planned and served is not None, argv
+    assert launcher.build_parser().parse_args(["--no-cuda-graphs"]).cuda_graphs is False
+    for parser, prefix in ((launcher.build_parser(), []), (planning_parser(), ["MODEL"])):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*prefix, "--buckets", "1", "8"])  # one spelling: comma-separated
 
 
 def test_max_pending_requests_bounds_grpc_and_rest_together(tiny_checkpoints, monkeypatch):

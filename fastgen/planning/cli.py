@@ -9,26 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from typing import Any
 
 from fastgen.planning.hardware import detect_hardware
-from fastgen.planning.plan import PLAN_FIELDS, PLAN_SPECS
+from fastgen.planning.plan import PLAN_FIELDS, PLAN_SPECS, argument_type, is_bool_field
 from fastgen.planning.policy import explain
-
-
-def _argument_type(name: str) -> Callable[[str], Any]:
-    """The plan field's own command-line parser, with argparse's error type."""
-    parse = PLAN_SPECS[name].metadata["parse"]
-
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = getattr(parse, "__name__", name)  # argparse names it in "invalid <type> value"
-    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="plan an offline batch (what fastgen.pipeline plans) instead of a server (fastgen.serve)")
     for name in PLAN_FIELDS:
         flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-        parser.add_argument(*flags, dest=name, type=_argument_type(name), default=None,
+        switch = dict(nargs="?", const=True) if is_bool_field(name) else {}  # `--cuda-graphs` alone = true
+        parser.add_argument(*flags, dest=name, type=argument_type(name), default=None, **switch,
                             help=f"override the plan's {name}: {PLAN_SPECS[name].metadata['doc']}")
     return parser
 

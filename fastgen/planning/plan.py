@@ -8,6 +8,7 @@ pass whatever the machine); the engine keywords (`EngineConfig`), `python -m fas
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -222,6 +223,27 @@ PLAN_SPECS: dict[str, dataclasses.Field] = {f.name: f for f in fields(Plan) if f
 
 PLAN_FIELDS: tuple[str, ...] = tuple(PLAN_SPECS)
 """The plan's keyword fields, in declaration order."""
+
+
+def argument_type(name: str) -> Callable[[str], Any]:
+    """Plan field `name`'s command-line value parser for argparse: the field's declared `parse`, its
+    ValueError turned into argparse's error with the message kept. Both command lines (`python -m
+    fastgen.planning` and `scripts/serve.py`) use it, so a value is spelled the same in each."""
+    parse = PLAN_SPECS[name].metadata["parse"]
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(parse, "__name__", name)  # argparse names it in "invalid <type> value"
+    return convert
+
+
+def is_bool_field(name: str) -> bool:
+    """Whether plan field `name` is a switch (its command-line flag may stand alone for True)."""
+    return PLAN_SPECS[name].metadata["parse"] is parse_bool
 
 
 def normalise_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
