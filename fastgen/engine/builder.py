@@ -44,6 +44,16 @@ def plan_engine(config: EngineConfig) -> Plan:
     return make_plan(model_facts(model_path), detect_hardware(config.device), offline=config.offline, **overrides)
 
 
+def refuse_unbuilt(plan: Plan) -> None:
+    """Raise NotImplementedError for a plan field the engine cannot honour yet, before anything loads."""
+    if plan.speculative_config is not None:
+        # The proposers and the rejection sampler exist, but the scheduler does not schedule draft tokens
+        # nor the executor verification rows: refuse rather than decode without the speculation asked for.
+        raise NotImplementedError(
+            f"speculative_config (method {plan.speculative_config.method!r}) is not implemented in the engine "
+            "yet: the scheduler does not schedule draft tokens; leave speculative_config unset")
+
+
 @dataclass(slots=True)
 class BuiltRunner:
     """A loaded model behind its runner, with what the engine needs from the checkpoint besides."""
@@ -63,6 +73,7 @@ class BuiltRunner:
 def build_runner(config: EngineConfig, plan: Plan) -> BuiltRunner:
     """Load `config`'s model as `plan` says (this rank's share; the workers of a tensor-parallel
     group load theirs meanwhile), size the KV cache and build the runner."""
+    refuse_unbuilt(plan)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model_dir = resolve_model_dir(config.model or DEMO_MODEL_DIR)
     logger.info("fastgen plan for %s on %s:\n%s", model_dir, device, plan.table())

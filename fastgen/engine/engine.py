@@ -23,7 +23,7 @@ import torch
 from fastgen.config import EngineConfig
 from fastgen.engine.admission import Admission, PreparedRequest
 from fastgen.engine.block_manager import BlockManager
-from fastgen.engine.builder import build_runner, plan_engine
+from fastgen.engine.builder import build_runner, plan_engine, refuse_unbuilt
 from fastgen.engine.detokenizer import TextStream
 from fastgen.engine.grammar import StructuredOutputManager
 from fastgen.engine.request_group import full_text_prefix
@@ -61,6 +61,7 @@ class Engine:
         the KV blocks and context; `config` its remaining options (prefix caching, seed). The engine
         owns `tp_group` and stops it at `shutdown` (or when collected), giving this process back
         `threads_before` CPU threads."""
+        refuse_unbuilt(plan)
         self.plan = plan
         self.runner = runner
         self.tokenizer = tokenizer
