@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,13 +75,42 @@ class _EngineOptions:
         return cls(model=model, **kwargs)
 
 
-EngineConfig = dataclasses.make_dataclass(
-    "EngineConfig",
-    [(name, spec.metadata["option"], dataclasses.field(default=None, metadata=spec.metadata))
-     for name, spec in PLAN_SPECS.items()],
-    bases=(_EngineOptions,), slots=True,
-    namespace={"__doc__": "How one engine instance is built. Every field is a keyword of `fastgen.pipeline`: "
-                          "the options above, then one per plan field (None = the policy chooses; see "
-                          "`fastgen.planning.plan.Plan` for their meaning)."},
-)
-EngineConfig.__module__ = __name__  # so it pickles (replicas, TP specs) and reprs as fastgen.config's
+if TYPE_CHECKING:
+    from fastgen.planning.speculative import SpeculativeConfig
+
+    @dataclass(slots=True)
+    class EngineConfig(_EngineOptions):
+        """What type checkers and IDEs see: the class built below, one field per plan field with the
+        annotation its declaration gives (`tests/test_engine_config.py` checks this list against it)."""
+
+        dtype: torch.dtype | str | None = None
+        quantization: str | None = None
+        quantization_group_size: int | None = None
+        attention_backend: str | None = None
+        compile: str | None = None
+        cuda_graphs: bool | None = None
+        buckets: tuple[int, ...] | None = None
+        token_budget: int | None = None
+        context_per_budget_token: int | None = None
+        max_seqs: int | None = None
+        block_size: int | None = None
+        kv_cache_memory: int | float | None = None
+        offload: str | None = None
+        weight_memory: int | float | None = None
+        weight_prepack: bool | None = None
+        gemv_weights: bool | None = None
+        tensor_parallel: int | None = None
+        replica_num: int | None = None
+        speculative_config: SpeculativeConfig | dict | str | None = None
+        structured_outputs_backend: str | None = None
+else:
+    EngineConfig = dataclasses.make_dataclass(
+        "EngineConfig",
+        [(name, spec.metadata["option"], dataclasses.field(default=None, metadata=spec.metadata))
+         for name, spec in PLAN_SPECS.items()],
+        bases=(_EngineOptions,), slots=True,
+        namespace={"__doc__": "How one engine instance is built. Every field is a keyword of `fastgen.pipeline`: "
+                              "the options above, then one per plan field (None = the policy chooses; see "
+                              "`fastgen.planning.plan.Plan` for their meaning)."},
+    )
+    EngineConfig.__module__ = __name__  # so it pickles (replicas, TP specs) and reprs as fastgen.config's

@@ -16,6 +16,10 @@ import torch
 import transformers
 
 from fastgen.ops import AttentionMetadata
+from fastgen.planning.hardware import detect_hardware
+from fastgen.planning.model_facts import model_facts
+from fastgen.planning.plan import Plan
+from fastgen.planning.policy import make_plan
 from kit_tokenizer import build_tokenizer
 
 VOCAB = 512
@@ -285,3 +289,9 @@ class PagedRunner:
         for seq, n in chunks:
             seq.num_computed_tokens += n
         return self.model.compute_logits(hidden)
+
+
+def cpu_plan(path: str, **overrides) -> Plan:
+    """The policy's plan for the checkpoint at `path` on this CPU, with `overrides` (engine keywords):
+    what a test builds a `RunnerSpec` from when it drives a runner without an engine."""
+    return make_plan(model_facts(path), detect_hardware("cpu"), **overrides)

@@ -7,11 +7,13 @@ from fastgen.engine.draft_proposer import DraftModelProposer
 from fastgen.engine.sequence import Sequence
 from fastgen.executor.runner import ModelRunner, RunnerSpec, load_for_spec
 from fastgen.sampling_params import SamplingParams
+from kit import cpu_plan
 
 
 def _proposer(path: str, k: int, num_blocks: int = 64) -> DraftModelProposer:
-    spec = RunnerSpec(model_dir=path, dtype=torch.float32, device_type="cpu", device_index=0, num_blocks=num_blocks,
-                      block_size=4, max_model_len=256, max_seqs=8)
+    plan = cpu_plan(path, dtype=torch.float32, block_size=4, max_seqs=8, compile="off", weight_prepack=False)
+    spec = RunnerSpec(plan, model_dir=path, device_type="cpu", device_index=0, num_blocks=num_blocks,
+                      max_model_len=256)
     loaded = load_for_spec(spec, torch.device("cpu"))
     return DraftModelProposer(ModelRunner(loaded.model, loaded.config, spec, torch.device("cpu")), num_blocks, 4, k)
 

@@ -1,4 +1,5 @@
-"""Imports only point down the layers: ops <- models <- planning/executor <- engine <- public API <- serving.
+"""Imports only point down the layers: ops <- models <- planning <- executor <- engine <- public API <- serving
+(the executor reads only the plan's declaration, `fastgen.planning.plan`, not the policy).
 
 Every module's `fastgen...` imports are read from its source (nothing is imported), so a new
 upward import fails here with the line that made it.
@@ -20,7 +21,8 @@ ALLOWED = [
     ("fastgen.ops", ["fastgen.ops."]),
     ("fastgen.models", ["fastgen.models.", "fastgen.ops."]),
     ("fastgen.planning", ["fastgen.planning.", "fastgen.models.", "fastgen.ops."]),
-    ("fastgen.executor", ["fastgen.executor.", "fastgen.models.", "fastgen.ops."]),
+    # The executor builds what the plan says: it reads the plan's declaration (the contract), never the policy.
+    ("fastgen.executor", ["fastgen.executor.", "fastgen.planning.plan", "fastgen.models.", "fastgen.ops."]),
     ("fastgen.engine", ["fastgen.engine.", "fastgen.executor.", "fastgen.planning.", "fastgen.models.",
                         "fastgen.ops.", *DATA_TYPES]),
     ("fastgen.sampling_params", ["fastgen.structured_outputs"]),

@@ -5,6 +5,7 @@ plan offloads exactly when the weights do not fit, saying what it expects. On a 
 greedy tests run on CUDA (pinned host images, side stream, events; disk through pinned staging)."""
 
 import ctypes
+import dataclasses
 import ctypes.util
 import gc
 import os
@@ -20,7 +21,7 @@ from fastgen.models.layers import decoder_layers
 from fastgen.planning.cli import build_parser as plan_parser
 from fastgen.planning.hardware import Hardware
 from fastgen.planning.policy import make_plan
-from kit import build_checkpoint
+from kit import build_checkpoint, cpu_plan
 from test_policy import A10, BF16_CPU, GIB, LLAMA3_70B, TINYLLAMA_1B, _cpu, _facts, _gpus
 
 FAMILIES = ("llama", "gpt2", "qwen2_moe")
@@ -129,9 +130,11 @@ def test_resident_weights_and_rss_stay_within_a_30_percent_budget(tmp_path):
 
 
 def test_runner_refuses_offload_with_cuda_graphs(four_layer):
-    spec = RunnerSpec(model_dir=four_layer["llama"], dtype=torch.float32, device_type="cuda", device_index=0,
-                      num_blocks=4, block_size=16, max_model_len=64, buckets=(1, 2), cuda_graphs=True,
-                      offload="disk", weight_memory=1 << 20)
+    # A CPU plan edited into what a GPU policy would never choose: the runner must still refuse it.
+    plan = dataclasses.replace(cpu_plan(four_layer["llama"], dtype=torch.float32), cuda_graphs=True, offload="disk",
+                               weight_memory=1 << 20)
+    spec = RunnerSpec(plan, model_dir=four_layer["llama"], device_type="cuda", device_index=0, num_blocks=4,
+                      max_model_len=64, buckets=(1, 2))
     with pytest.raises(ValueError, match="cuda_graphs=False"):
         install_offload(torch.nn.Module(), spec, torch.device("cpu"))
     with pytest.raises(ValueError, match="cannot hold"):

@@ -128,7 +128,7 @@ def test_engine_equals_hf_on_the_dequantized_weights(mode, tp, tiny_checkpoints,
     # A 16-token budget chunks the longer prompts; 24 blocks of 4 force preemptions.
     with fastgen.pipeline(path, quantization=mode, quantization_group_size=GROUP, tensor_parallel=tp,
                           token_budget=16, num_kv_blocks=24, block_size=4, max_seqs=4, progress=False) as pipe:
-        assert pipe.engine.plan.quantization == mode and pipe.engine.runner.spec.quantization == mode
+        assert pipe.engine.plan.quantization == mode and pipe.engine.runner.spec.plan is pipe.engine.plan
         got = [r.token_ids for r in pipe(PROMPTS, max_new_tokens=10, **GREEDY)]
     assert got == expected
 

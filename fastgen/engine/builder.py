@@ -99,10 +99,9 @@ def build_runner(config: EngineConfig, plan: Plan) -> BuiltRunner:
         max_model_len = min(wanted_len, num_blocks * plan.block_size)
         # Without compilation or graphs, padding to a bucket only adds work: run exact shapes.
         static = plan.compile != "off" or plan.cuda_graphs or config.buckets is not None
-        spec = RunnerSpec.from_plan(plan, model_dir=model_dir, device_type=device.type,
-                                    device_index=device.index or 0, num_blocks=num_blocks,
-                                    max_model_len=max_model_len, buckets=tuple(plan.buckets) if static else (),
-                                    num_threads=threads, progress=config.progress)
+        spec = RunnerSpec(plan, model_dir=model_dir, device_type=device.type, device_index=device.index or 0,
+                          num_blocks=num_blocks, max_model_len=max_model_len,
+                          buckets=tuple(plan.buckets) if static else (), num_threads=threads, progress=config.progress)
         if group is not None:
             group.send_spec(spec)  # workers load their shards while this rank loads its own
         loaded = load_for_spec(spec, device, model_config.parallel, config.progress)

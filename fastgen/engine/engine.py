@@ -53,14 +53,15 @@ def _stop_group(group: TensorParallelGroup, num_threads: int) -> None:
 class Engine:
     """Owns runner, KV blocks, scheduler and executor; turns requests into `Response` deltas."""
 
-    def __init__(self, plan: Plan, runner: ModelRunner, tokenizer: Any, *, eos_token_ids: Iterable[int] = (),
+    def __init__(self, runner: ModelRunner, tokenizer: Any, *, eos_token_ids: Iterable[int] = (),
                  config: EngineConfig | None = None, tp_group: TensorParallelGroup | None = None,
                  threads_before: int = 0) -> None:
         """An engine over a built `runner` (see `fastgen.engine.builder`; `Engine.from_config` builds
-        one from an `EngineConfig`). `plan` sets the scheduler's token budget and seats, `runner.spec`
-        the KV blocks and context; `config` its remaining options (prefix caching, seed). The engine
-        owns `tp_group` and stops it at `shutdown` (or when collected), giving this process back
-        `threads_before` CPU threads."""
+        one from an `EngineConfig`). The runner's plan (`runner.spec.plan`) sets the scheduler's token
+        budget and seats, `runner.spec` the KV blocks and context; `config` the remaining options
+        (prefix caching, seed). The engine owns `tp_group` and stops it at `shutdown` (or when
+        collected), giving this process back `threads_before` CPU threads."""
+        plan: Plan = runner.spec.plan
         refuse_unbuilt(plan)
         self.plan = plan
         self.runner = runner
@@ -72,9 +73,9 @@ class Engine:
             self._stop_workers = weakref.finalize(self, _stop_group, tp_group, threads_before or torch.get_num_threads())
         spec = runner.spec
         self.model_dir, self.model_config, self.device = spec.model_dir, runner.config, runner.device
-        self.dtype, self.block_size, self.max_model_len = spec.dtype, spec.block_size, spec.max_model_len
+        self.dtype, self.block_size, self.max_model_len = plan.dtype, plan.block_size, spec.max_model_len
         self.vocab_size = self.model_config.vocab_size
-        self.block_manager = BlockManager(spec.num_blocks, spec.block_size, self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(spec.num_blocks, plan.block_size, self.config.enable_prefix_caching)
         self.long_rope = long_rope_switch(runner.model)
         namespace = None if self.long_rope is None else functools.partial(long_rope_namespace, self.long_rope)
         self.stop_rules = StopRules(eos_token_ids, self.max_model_len)
@@ -102,7 +103,7 @@ class Engine:
         build the engine: what `fastgen.pipeline` and `serve` do."""
         plan = plan_engine(config)
         built = build_runner(config, plan)
-        return cls(plan, built.runner, built.tokenizer, eos_token_ids=built.eos_token_ids, config=config,
+        return cls(built.runner, built.tokenizer, eos_token_ids=built.eos_token_ids, config=config,
                    tp_group=built.tp_group, threads_before=built.threads_before)
 
     @property

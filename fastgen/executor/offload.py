@@ -38,9 +38,7 @@ from torch import nn
 
 from fastgen.executor.layer_image import DiskSource, HostSource, LayerImage
 from fastgen.models.layers import decoder_layers
-
-OFFLOAD_MODES = ("none", "cpu", "disk")
-"""`offload` settings: every weight resident; stream layers from host memory; from a file on disk."""
+from fastgen.planning.plan import OFFLOAD_MODES
 
 PREFETCH_DEPTH = 2
 """Pool buffers when the budget allows: the layer computing and the next one on its way."""
@@ -329,21 +327,22 @@ class WeightStreamer:
 
 
 def new_streamer(spec, device: torch.device) -> WeightStreamer | None:
-    """The streamer `spec` asks for (None with offload "none"), for the loader to hand layers to."""
-    if spec.offload == "none":
+    """The streamer `spec`'s plan asks for (None with offload "none"), for the loader to hand layers to."""
+    if spec.plan.offload == "none":
         return None
-    return WeightStreamer(spec.offload, spec.weight_memory, device)
+    return WeightStreamer(spec.plan.offload, spec.plan.weight_memory, device)
 
 
 def install_offload(model: nn.Module, spec, device: torch.device) -> WeightStreamer | None:
     """Install the weight streamer of `spec` on `model` (the one its loader filled, else a new one that
     takes the loaded layers now); None with offload "none". ValueError with CUDA graphs."""
-    if spec.offload not in OFFLOAD_MODES:
-        raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOAD_MODES))}, got {spec.offload!r}")
-    if spec.offload == "none":
+    offload = spec.plan.offload
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOAD_MODES))}, got {offload!r}")
+    if offload == "none":
         return None
-    if spec.cuda_graphs:
-        raise ValueError(f"offload={spec.offload!r} needs cuda_graphs=False: layers stream between the layers' "
+    if spec.plan.cuda_graphs:
+        raise ValueError(f"offload={offload!r} needs cuda_graphs=False: layers stream between the layers' "
                          "compute (host waits, events, a copy thread), which a captured graph cannot contain")
     streamer = model.__dict__.pop(STREAMER_ATTR, None) or new_streamer(spec, device)
     streamer.install(model)

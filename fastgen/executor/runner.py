@@ -9,12 +9,10 @@ to the smallest bucket that holds it and a step larger than every bucket runs ea
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -29,70 +27,37 @@ from fastgen.executor.host_allocator import keep_host_temporaries
 from fastgen.executor.offload import STREAMER_ATTR, install_offload, new_streamer
 from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, StepTensors, pick_bucket
 from fastgen.ops.kv_cache import allocate_kv_cache
+from fastgen.planning.plan import COMPILE_MODES, Plan
 
 logger = logging.getLogger("fastgen")
 
-COMPILE_MODES = ("off", "default", "max-autotune")
-"""`compile` settings: no torch.compile; Inductor's default; Inductor with autotuned kernels."""
-
-
 @dataclass(frozen=True, slots=True)
 class RunnerSpec:
-    """Everything a `ModelRunner` is built from besides the model itself: made once by the engine
-    from its plan, and sent as is (pickled once) to every tensor-parallel worker, so every rank
-    builds the same runner."""
+    """Everything a `ModelRunner` is built from besides the model itself: the engine's `Plan` and the
+    facts of this launch that a plan does not hold. Made once by the engine and sent as is (pickled
+    once) to every tensor-parallel worker, so every rank builds the same runner."""
 
+    plan: Plan
+    """How the model is served: dtype, quantization, attention backend, compile, CUDA graphs, offload,
+    weight memory, prepacking, block size and seats are the plan's fields, read from it (each is
+    declared once, in `fastgen.planning.plan`)."""
     model_dir: str
     """Local checkpoint directory (workers load their own shard from it)."""
-    dtype: torch.dtype
-    """Weights and KV-cache dtype."""
     device_type: str
     """"cpu" or "cuda"; on CUDA each rank uses its own device (see `rank_device`)."""
     device_index: int
     """CUDA device index of rank 0; spawned rank r uses `device_index + r`."""
     num_blocks: int
     """KV blocks per rank (each rank holds its KV heads of every block)."""
-    block_size: int
-    """Tokens per KV block."""
     max_model_len: int
     """Longest sequence (sizes the block tables)."""
-    max_seqs: int = 1
-    """Sequences per step."""
-    quantization: str = "none"
-    """Weight-only quantization of the decoder linears ("none", "int8", "int4"): each rank quantizes
-    its own shard as it loads it (`load_model`)."""
-    quantization_group_size: int = 128
-    """Input features per int4 scale and zero."""
-    attention_backend: str = "torch"
-    """"torch" or "triton"."""
     buckets: tuple[int, ...] = ()
-    """Static step sizes to compile/capture, ascending (empty: exact shapes, eager)."""
-    compile: str = "off"
-    """torch.compile mode of the step, one of `COMPILE_MODES`."""
-    cuda_graphs: bool = False
-    """Capture each bucket once as a CUDA graph (CUDA only)."""
+    """Static step sizes to compile/capture, ascending: the plan's buckets where static shapes pay
+    (compile, CUDA graphs, buckets a user named); empty: exact shapes."""
     num_threads: int = 0
     """CPU threads for a tensor-parallel worker (ranks share one machine's cores); 0 = leave as is."""
     progress: bool = False
     """Show a progress bar while compiling buckets."""
-    offload: str = "none"
-    """Where decoder layers that do not fit `weight_memory` stream from: "none" (all resident), "cpu"
-    (host memory) or "disk" (a file); see `fastgen.executor.offload`."""
-    weight_memory: int = 0
-    """Device bytes for this rank's weights under offload (resident layers plus streaming buffers)."""
-    weight_prepack: bool = False
-    """Replace the decoder layers' plain linears and the LM head by oneDNN-packed ones (`fastgen.models.packed`;
-    CPU)."""
-    gemv_weights: bool = False
-    """With `weight_prepack`, keep the plain weights too, for steps of a few rows (`fastgen.ops.gemv`)."""
-
-    @classmethod
-    def from_plan(cls, plan: Any, **values: Any) -> "RunnerSpec":
-        """The spec of `plan` (a `fastgen.planning.plan.Plan`): every field the plan has by the same
-        name, then `values` (what the plan does not say: where the checkpoint is, the KV blocks...)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        plan_values = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name in names}
-        return cls(**{**plan_values, **values})
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -105,8 +70,9 @@ def load_for_spec(spec: RunnerSpec, device: torch.device, parallel: TensorParall
     """The model `spec` describes, loaded onto `device` (this rank's shard under `parallel`); with
     offload each decoder layer moves to the streamer's source as soon as it is loaded."""
     streamer = new_streamer(spec, device)
-    loaded = load_model(spec.model_dir, dtype=spec.dtype, device=device, progress=progress, parallel=parallel,
-                        quantization=spec.quantization, quantization_group_size=spec.quantization_group_size,
+    plan = spec.plan
+    loaded = load_model(spec.model_dir, dtype=plan.dtype, device=device, progress=progress, parallel=parallel,
+                        quantization=plan.quantization, quantization_group_size=plan.quantization_group_size,
                         on_layer_loaded=streamer and streamer.adopt)
     if streamer is not None:
         setattr(loaded.model, STREAMER_ATTR, streamer)  # for install_offload in ModelRunner
@@ -119,10 +85,10 @@ class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, spec: RunnerSpec, device: torch.device) -> None:
         """Allocate the KV cache and static buffers on `device` and compile (and capture) every bucket."""
         self.spec = spec
-        attention_backend, compile, cuda_graphs, buckets = (spec.attention_backend, spec.compile, spec.cuda_graphs,
-                                                            spec.buckets)
-        num_blocks, block_size, dtype = spec.num_blocks, spec.block_size, spec.dtype
-        max_seqs, max_model_len, progress = spec.max_seqs, spec.max_model_len, spec.progress
+        plan = spec.plan
+        attention_backend, compile, cuda_graphs = plan.attention_backend, plan.compile, plan.cuda_graphs
+        block_size, dtype, max_seqs = plan.block_size, plan.dtype, plan.max_seqs
+        num_blocks, max_model_len, buckets, progress = spec.num_blocks, spec.max_model_len, spec.buckets, spec.progress
         if attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"attention_backend='triton' on {device.type} needs a CUDA GPU, or TRITON_INTERPRET=1 "
                              "set before the engine starts (the Triton interpreter, slow: for tests)")
@@ -136,8 +102,8 @@ class ModelRunner:
             raise ValueError("cuda_graphs need a bucket list (each bucket is one captured static shape)")
         self.attention_backend = attention_backend
         self.model = model
-        if spec.weight_prepack:
-            prepack_linears(model, gemv=spec.gemv_weights)
+        if plan.weight_prepack:
+            prepack_linears(model, gemv=plan.gemv_weights)
         self.offload = install_offload(model, spec, device)
         """The `WeightStreamer` of a model whose layers stream from offload (None: all resident)."""
         self.config = config

@@ -21,8 +21,11 @@ from fastgen.models.quant import INT4_GROUP_SIZES, QUANTIZATIONS
 from fastgen.planning.speculative import SpeculativeConfig, check_speculative_config, parse_speculative_config
 
 ATTENTION_BACKENDS = ("triton", "torch")
+"""Paged-attention implementations: Triton kernels (CUDA, or the interpreter), torch ops."""
 COMPILE_MODES = ("off", "default", "max-autotune")
+"""`compile` settings: no torch.compile; Inductor's default; Inductor with autotuned kernels."""
 OFFLOAD_MODES = ("none", "cpu", "disk")
+"""`offload` settings: every weight resident; stream layers from host memory; from a file on disk."""
 STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
 """Grammar libraries that constrain structured outputs, the default first."""
 
