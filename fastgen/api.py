@@ -9,7 +9,7 @@ import torch
 
 from fastgen.config import EngineConfig
 from fastgen.executor.distributed import torchrun_env
-from fastgen.engine import END, Engine, RequestFailed, RequestGroup, Sink, full_text_prefix
+from fastgen.engine import Deliveries, Engine, RequestGroup, Sink, full_text_prefix
 from fastgen.mii_options import mii_options
 from fastgen.outputs import Response
 from fastgen.sampling_params import FieldTypeError, FieldValueError, SamplingParams
@@ -64,20 +64,18 @@ def normalise_prompts(prompts: Any, field: str = "prompts", *, flat_ids: bool = 
 
 
 class _PipelineRequest:
-    """One request of a pipeline stream's `RequestGroup`; `Pipeline._step` delivers its deltas to
-    its sink in `sinks` (the pipeline's open streams)."""
+    """One request of a pipeline call's `RequestGroup`; whoever steps the engine delivers its deltas
+    through the pipeline's `Deliveries`."""
 
-    def __init__(self, engine: Engine, request_id: str, sinks: dict[str, Sink]) -> None:
+    def __init__(self, engine: Engine, request_id: str, deliveries: Deliveries) -> None:
         self.request_id = request_id
         self._engine = engine
-        self._sinks = sinks
+        self._deliveries = deliveries
 
     def abort(self) -> None:
-        """Stop the request now; its stream ends."""
+        """Stop the request now; its group hears that it ended."""
         self._engine.abort(self.request_id)
-        sink = self._sinks.pop(self.request_id, None)
-        if sink is not None:
-            sink(END)
+        self._deliveries.close(self.request_id)
 
 
 class Pipeline:
@@ -90,12 +88,10 @@ class Pipeline:
     def __init__(self, engine: Engine | None, rank: int = 0) -> None:
         self._engine: Engine | None = engine
         self.rank = rank
-        # Whoever steps the engine (a call, or any of several open streams) delivers each open
-        # stream's deltas to its request group, so interleaved streams and calls never lose each
+        # Whoever steps the engine (a call, or any of several open streams) delivers every open
+        # request's deltas to its own group, so interleaved streams and calls never lose each
         # other's text.
-        self._sinks: dict[str, Sink] = {}
-        # Requests of pending calls that failed in the engine, kept for the call that owns them.
-        self._failures: dict[str, RequestFailed] = {}
+        self._deliveries = Deliveries()
 
     @property
     def engine(self) -> Engine:
@@ -129,33 +125,10 @@ class Pipeline:
 
         `gen` are `SamplingParams` fields; MII's `stream` is accepted and changes nothing (use `stream()`).
 
-        Raises `RequestFailed` if the engine failed one of this call's requests (after the others
-        have finished: other calls and streams are never affected).
+        Raises `RequestFailed` if the engine failed one of this call's requests (its other requests
+        are aborted; other calls and streams are never affected).
         """
-        params, encoded = self._validated(prompts, gen)
-        engine = self.engine
-        request_ids: list[str] = []
-        try:
-            for ids in encoded:
-                request_ids.append(engine.add_request(ids, params))
-            groups = [engine.sequences(rid) for rid in request_ids]
-            while any(rid in engine.requests for rid in request_ids):
-                self._step()
-        except BaseException:
-            for rid in request_ids:
-                engine.abort(rid)
-                self._failures.pop(rid, None)
-            raise
-        failures = [self._failures.pop(rid) for rid in request_ids if rid in self._failures]
-        if failures:
-            raise failures[0]
-        out = []
-        for prompt_index, seqs in enumerate(groups):
-            for seq in seqs:
-                response = engine.final_response(seq)
-                response.prompt_index = prompt_index
-                out.append(response)
-        return out
+        return self._group(prompts, gen).results()
 
     def stream(self, prompts: Prompts, **gen: Any) -> Iterator[Response]:
         """Yield text deltas as they are produced, for one or many prompts (see `Response.prompt_index`).
@@ -163,33 +136,30 @@ class Pipeline:
         With `return_full_text` the first delta of each completion starts with the prompt, so the
         deltas add up to the call's text. Closing the generator early aborts the unfinished requests.
         """
-        params, encoded = self._validated(prompts, gen)
+        yield from self._group(prompts, gen)
+
+    def _group(self, prompts: Prompts, gen: dict[str, Any]) -> RequestGroup:
+        """Validate every prompt and the params, then queue one request per prompt as a group that
+        steps the engine while its reader waits."""
         engine = self.engine
+        gen, _ = split_mii_stream(gen)  # MII's flag: whether the call streams is the method's choice here
+        params = SamplingParams.from_kwargs(**gen)
+        encoded = [engine.encode_prompt(p) for p in normalise_prompts(prompts)]
         prefixes = [full_text_prefix(engine.tokenizer, ids, params) for ids in encoded] \
             if params.return_full_text else None
         group = RequestGroup(params.n, drive=self._step, prefixes=prefixes)
 
         def submit(ids: list[int], sink: Sink) -> _PipelineRequest:
             request_id = engine.add_request(ids, params)
-            self._sinks[request_id] = sink
-            return _PipelineRequest(engine, request_id, self._sinks)
+            self._deliveries.open(request_id, sink, params.n)
+            return _PipelineRequest(engine, request_id, self._deliveries)
 
         group.submit_each(encoded, submit, "prompts")
-        yield from group
+        return group
 
     def _step(self) -> None:
-        """One engine step; deltas (and failures) of open streams go to their groups, failures of
-        pending calls to `_failures`."""
-        engine = self.engine
-        for delta in engine.step():
-            sink = self._sinks.get(delta.request_id)
-            if sink is not None:
-                sink(delta if delta.error is None else delta.error)
-            elif delta.error is not None:
-                self._failures[delta.request_id] = delta.error
-        # A stream's request that left the engine (finished, failed, aborted) has delivered everything.
-        for rid in [rid for rid in self._sinks if rid not in engine.requests]:
-            self._sinks.pop(rid)(END)
+        """One engine step; every open request's deltas go to its group."""
+        self._deliveries.deliver_all(self.engine.step())
 
     def destroy(self) -> None:
         """Free the model and KV cache; later calls raise."""

@@ -59,7 +59,7 @@ from bench_common import (build_llama_checkpoint, latency_summary, pyplot_or_non
                           write_json)
 
 import fastgen
-from fastgen.engine import EngineLoop
+from fastgen.engine import EngineLoop, submit_group
 
 SMOOTH_WINDOW = 8
 REPEAT_SEED = 1000  # seed offset between repeats of the top level (levels use seed + i, Poisson seed + 100 + j)
@@ -304,7 +304,7 @@ def _closed_loop_tps(model: str, options: dict, requests: list, warm: list, conc
 
         def send(prompt: list[int], out_len: int) -> dict:
             params = fastgen.SamplingParams(do_sample=False, max_new_tokens=out_len, ignore_eos=True)
-            for _ in loop.submit(prompt, params):
+            for _ in submit_group(loop, [prompt], params):
                 pass
             return {}
 

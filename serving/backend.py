@@ -2,8 +2,8 @@
 
 A backend has EngineLoop's request interface (`submit`, `submit_async`, `abort`; deltas without
 the prompt text, delivered to a `RequestGroup` sink) plus what the services need besides
-generation: the tokenizer, a model summary and `close`. `submit_group` runs the several prompts
-of one blocking call as one `RequestGroup`.
+generation: the tokenizer, a model summary and `close`. `submit_group` (from `fastgen.engine`) runs
+the several prompts of one blocking call as one `RequestGroup`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any, Protocol
 
 import fastgen
-from fastgen.engine import EngineLoop, Member, RequestGroup, Sink, full_text_prefix
+from fastgen.engine import EngineLoop, Member, Sink
 from fastgen.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -121,18 +121,3 @@ class LocalBackend:
 def _text(value: Any) -> str:
     """A config or plan value as ModelInfo shows it (dtypes without the `torch.` prefix)."""
     return str(value).removeprefix("torch.")
-
-
-def submit_group(backend: Backend, prompts: list[Prompt], params: SamplingParams,
-                 field: str = "prompts") -> RequestGroup:
-    """Submit every prompt (each validated by the engine; a refused one aborts the others and raises
-    its error naming `field[i]`) as one group, with the `return_full_text` prefixes. Blocking."""
-    group = RequestGroup(params.n)
-    group.submit_each(prompts, lambda prompt, sink: backend.submit(prompt, params, sink), field)
-    if params.return_full_text:
-        try:
-            group.set_prefixes([full_text_prefix(backend.tokenizer, p, params) for p in prompts])
-        except BaseException:
-            group.abort()
-            raise
-    return group

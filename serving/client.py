@@ -94,6 +94,15 @@ def _health_name(status: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
+def _health_failure(exc: grpc.RpcError) -> str:
+    """What a failed health check reports: the service is unknown, or the server is unreachable."""
+    return "SERVICE_UNKNOWN" if exc.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
+
+
+def _completions(reply: pb.GenerateResponse, with_logprobs: bool) -> list[Response]:
+    return [response_from_completion(c, with_logprobs) for c in reply.completions]
+
+
 def resolve(deployment_name_or_address: str) -> tuple[str, dict | None]:
     """`host:port` as is, or a deployment on this machine -> (address, its record).
 
@@ -121,7 +130,33 @@ def resolve(deployment_name_or_address: str) -> tuple[str, dict | None]:
                      f"{registry.deployments_dir()}); pass 'host:port' to reach another machine")
 
 
-class Client:
+def _token_ids(reply: pb.TokenizeResponse, texts: str | list[str]) -> list[int] | list[list[int]]:
+    ids = [list(t.ids) for t in reply.token_ids]
+    return ids[0] if isinstance(texts, str) else ids
+
+
+class _ClientCore:
+    """What `Client` and `AsyncClient` share: the deployment's address and identity, the credentials,
+    how each call is built and its reply read (the module's functions), and how a failed call
+    reads (`_error`). The two subclasses add only the blocking or awaiting of the channel."""
+
+    def __init__(self, address: str, deployment_name: str | None, pid: int | None, api_key: str | None) -> None:
+        self.address = address
+        self.deployment_name = deployment_name
+        self.pid = pid
+        self._metadata = auth_metadata(client_api_key(api_key))
+
+    def _forget(self) -> None:
+        """Drop the stopped deployment's record on this machine."""
+        if self.deployment_name is not None:
+            registry.remove_record(self.deployment_name, self.pid)
+
+    def __repr__(self) -> str:
+        name = f" {self.deployment_name!r}" if self.deployment_name else ""
+        return f"<fastgen {type(self).__name__}{name} at {self.address}>"
+
+
+class Client(_ClientCore):
     """A blocking connection to a deployment. `client(prompts, **gen)` is `client.generate(...)`.
 
     `api_key`: the key to present (default: the first of `FASTGEN_API_KEY`); `tls_root_cert`:
@@ -131,14 +166,18 @@ class Client:
     def __init__(self, address: str, *, deployment_name: str | None = None, pid: int | None = None,
                  process: subprocess.Popen | None = None, api_key: str | None = None,
                  tls_root_cert: str | None = None) -> None:
-        self.address = address
-        self.deployment_name = deployment_name
-        self.pid = pid if pid is not None else (process.pid if process is not None else None)
+        super().__init__(address, deployment_name, pid if pid is not None else (process.pid if process else None),
+                         api_key)
         self._process = process
-        self._metadata = auth_metadata(client_api_key(api_key))
         self._channel = open_channel(address, CHANNEL_OPTIONS, tls_root_cert)
         self._stub = pb_grpc.FastGenStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _unary(self, rpc: str, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return getattr(self._stub, rpc)(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise _error(exc, self.address) from None
 
     def generate(self, prompts: Any, streaming_fn: Callable[[list[Response]], Any] | None = None,
                  **gen: Any) -> list[Response]:
@@ -149,11 +188,7 @@ class Client:
         """
         if streaming_fn is None:
             request, with_logprobs = _request(prompts, gen)
-            try:
-                reply = self._stub.Generate(request, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                raise _error(exc, self.address) from None
-            return [response_from_completion(c, with_logprobs) for c in reply.completions]
+            return _completions(self._unary("Generate", request), with_logprobs)
         deltas = []
         for delta in self.stream(prompts, **gen):
             deltas.append(delta)
@@ -176,37 +211,26 @@ class Client:
 
     def tokenize(self, texts: str | list[str], add_special_tokens: bool = True) -> list[int] | list[list[int]]:
         """Token ids of a text (a list of ids), or of each text of a list."""
-        try:
-            reply = self._stub.Tokenize(_tokenize_request(texts, add_special_tokens), metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise _error(exc, self.address) from None
-        ids = [list(t.ids) for t in reply.token_ids]
-        return ids[0] if isinstance(texts, str) else ids
+        return _token_ids(self._unary("Tokenize", _tokenize_request(texts, add_special_tokens)), texts)
 
     def model_info(self) -> dict[str, Any]:
         """Model, engine configuration and (behind a load balancer) each replica's state."""
-        try:
-            return _message_dict(self._stub.ModelInfo(pb.ModelInfoRequest(), metadata=self._metadata))
-        except grpc.RpcError as exc:
-            raise _error(exc, self.address) from None
+        return _message_dict(self._unary("ModelInfo", pb.ModelInfoRequest()))
 
     def health(self, service: str = "", timeout: float = 2.0) -> str:
         """The standard health check: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNREACHABLE"."""
         try:
             reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return "SERVICE_UNKNOWN"
-            return "UNREACHABLE"
+            return _health_failure(exc)
         return _health_name(reply.status)
 
     def terminate_server(self, timeout: float = 60.0) -> None:
         """Stop the deployment (every replica) and wait until its process is gone."""
         try:
-            self._stub.Terminate(pb.TerminateRequest(), timeout=10, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                raise _error(exc, self.address) from None
+            self._unary("Terminate", pb.TerminateRequest(), timeout=10)
+        except ConnectionError:  # already gone
+            pass
         if self._process is not None:
             try:
                 self._process.wait(timeout)
@@ -218,8 +242,7 @@ class Client:
                 raise TimeoutError(f"the deployment process {self.pid} did not exit within {timeout} s")
         elif not wait_until(lambda: self.health(timeout=1.0) == "UNREACHABLE", timeout, interval=0.2):
             raise TimeoutError(f"the deployment at {self.address} still answers {timeout} s after Terminate")
-        if self.deployment_name is not None:
-            registry.remove_record(self.deployment_name, self.pid)
+        self._forget()
         self.close()
 
     def close(self) -> None:
@@ -232,21 +255,14 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __repr__(self) -> str:
-        name = f" {self.deployment_name!r}" if self.deployment_name else ""
-        return f"<fastgen Client{name} at {self.address}>"
 
-
-class AsyncClient:
+class AsyncClient(_ClientCore):
     """The asyncio client: `await client.generate(...)`, `async for delta in client.stream(...)`;
     `api_key` and `tls_root_cert` as for `Client`."""
 
     def __init__(self, address: str, *, deployment_name: str | None = None, pid: int | None = None,
                  api_key: str | None = None, tls_root_cert: str | None = None) -> None:
-        self.address = address
-        self.deployment_name = deployment_name
-        self.pid = pid
-        self._metadata = auth_metadata(client_api_key(api_key))
+        super().__init__(address, deployment_name, pid, api_key)
         self._tls_root_cert = tls_root_cert
         if tls_root_cert is not None:
             read_pem("tls_root_cert", tls_root_cert)  # a bad file fails here, not on first use
@@ -258,16 +274,18 @@ class AsyncClient:
             self._channel = open_channel(self.address, CHANNEL_OPTIONS, self._tls_root_cert, asynchronous=True)
         return pb_grpc.FastGenStub(self._channel), health_pb2_grpc.HealthStub(self._channel)
 
+    async def _unary(self, rpc: str, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return await getattr(self._stubs()[0], rpc)(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise _error(exc, self.address) from None
+
     async def generate(self, prompts: Any, streaming_fn: Callable[[list[Response]], Any] | None = None,
                        **gen: Any) -> list[Response]:
         """As `Client.generate`; `streaming_fn` may be a plain function or a coroutine function."""
         if streaming_fn is None:
             request, with_logprobs = _request(prompts, gen)
-            try:
-                reply = await self._stubs()[0].Generate(request, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                raise _error(exc, self.address) from None
-            return [response_from_completion(c, with_logprobs) for c in reply.completions]
+            return _completions(await self._unary("Generate", request), with_logprobs)
         deltas = []
         async for delta in self.stream(prompts, **gen):
             deltas.append(delta)
@@ -292,43 +310,32 @@ class AsyncClient:
 
     async def tokenize(self, texts: str | list[str], add_special_tokens: bool = True) -> list[int] | list[list[int]]:
         """As `Client.tokenize`."""
-        try:
-            reply = await self._stubs()[0].Tokenize(_tokenize_request(texts, add_special_tokens),
-                                                    metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise _error(exc, self.address) from None
-        ids = [list(t.ids) for t in reply.token_ids]
-        return ids[0] if isinstance(texts, str) else ids
+        return _token_ids(await self._unary("Tokenize", _tokenize_request(texts, add_special_tokens)), texts)
 
     async def model_info(self) -> dict[str, Any]:
         """As `Client.model_info`."""
-        try:
-            return _message_dict(await self._stubs()[0].ModelInfo(pb.ModelInfoRequest(), metadata=self._metadata))
-        except grpc.RpcError as exc:
-            raise _error(exc, self.address) from None
+        return _message_dict(await self._unary("ModelInfo", pb.ModelInfoRequest()))
 
     async def health(self, service: str = "", timeout: float = 2.0) -> str:
         """As `Client.health`."""
         try:
             reply = await self._stubs()[1].Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as exc:
-            return "SERVICE_UNKNOWN" if exc.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
+            return _health_failure(exc)
         return _health_name(reply.status)
 
     async def terminate_server(self, timeout: float = 60.0) -> None:
         """As `Client.terminate_server`."""
         try:
-            await self._stubs()[0].Terminate(pb.TerminateRequest(), timeout=10, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                raise _error(exc, self.address) from None
+            await self._unary("Terminate", pb.TerminateRequest(), timeout=10)
+        except ConnectionError:  # already gone
+            pass
         deadline = time.monotonic() + timeout
         while not await self._gone():
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"the deployment at {self.address} did not stop within {timeout} s")
             await asyncio.sleep(0.1)
-        if self.deployment_name is not None:
-            registry.remove_record(self.deployment_name, self.pid)
+        self._forget()
         await self.close()
 
     async def _gone(self) -> bool:

@@ -9,7 +9,7 @@ import torch
 
 from fastgen import EngineConfig, SamplingParams
 from fastgen.engine import Engine
-from fastgen.engine import EngineLoop
+from fastgen.engine import EngineLoop, RequestGroup, submit_group
 
 NUM_BLOCKS = 64
 
@@ -38,7 +38,7 @@ def test_concurrent_threads_get_their_own_correct_outputs(loop, tiny_checkpoints
     results = {}
 
     def client(i):
-        stream = loop.submit(prompts[i], SamplingParams(do_sample=False, max_new_tokens=12))
+        stream = submit_group(loop, [prompts[i]], SamplingParams(do_sample=False, max_new_tokens=12))
         results[i] = [t for delta in stream for t in delta.token_ids]
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
@@ -52,27 +52,29 @@ def test_concurrent_threads_get_their_own_correct_outputs(loop, tiny_checkpoints
 
 def test_bad_request_raises_in_caller_and_loop_keeps_serving(loop):
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        loop.submit([10**6])
-    stream = loop.submit([5, 6, 7], SamplingParams(do_sample=False, max_new_tokens=3))
+        loop.submit([10**6], None, lambda item: None)
+    stream = submit_group(loop, [[5, 6, 7]], SamplingParams(do_sample=False, max_new_tokens=3))
     deltas = list(stream)
     assert deltas[-1].finish_reason == "length" and deltas[-1].generated_length == 3
 
 
 def test_abort_frees_blocks_and_ends_stream(loop):
-    stream = loop.submit([5, 6, 7] * 10, SamplingParams(do_sample=False, max_new_tokens=400))
+    stream = submit_group(loop, [[5, 6, 7] * 10], SamplingParams(do_sample=False, max_new_tokens=400))
     first = next(iter(stream))
     assert first.finish_reason == "none"
     stream.abort()
     rest = list(stream)
     assert rest and rest[-1].finish_reason == "abort"
-    loop.submit([1, 2], SamplingParams(max_new_tokens=1)).__iter__().__next__()  # a round trip through the loop
+    next(iter(submit_group(loop, [[1, 2]], SamplingParams(max_new_tokens=1))))  # a round trip through the loop
     assert loop.engine.block_manager.num_free_blocks == NUM_BLOCKS
 
 
 def test_asyncio_clients(loop, tiny_checkpoints):
     async def one(prompt):
-        stream = await loop.submit_async(prompt, SamplingParams(do_sample=False, max_new_tokens=6))
-        return [t async for delta in stream for t in delta.token_ids]
+        group = RequestGroup(asynchronous=True)
+        params = SamplingParams(do_sample=False, max_new_tokens=6)
+        await group.submit_each_async([prompt], lambda p, sink: loop.submit_async(p, params, sink), "prompt")
+        return [t async for delta in group for t in delta.token_ids]
 
     async def main():
         return await asyncio.gather(*(one([20 + i, 30, 40]) for i in range(4)))
@@ -94,10 +96,10 @@ def test_loop_stepped_by_the_calling_thread_serves_client_threads(tiny_checkpoin
     def clients():
         try:
             for i, prompt in enumerate(prompts):
-                stream = loop.submit(prompt, SamplingParams(do_sample=False, max_new_tokens=6))
+                stream = submit_group(loop, [prompt], SamplingParams(do_sample=False, max_new_tokens=6))
                 results[i] = [t for delta in stream for t in delta.token_ids]
             # Left open when run() returns: it must end with an error, not hang.
-            results["open"] = loop.submit(prompts[0], SamplingParams(do_sample=False, max_new_tokens=10_000))
+            results["open"] = submit_group(loop, [prompts[0]], SamplingParams(do_sample=False, max_new_tokens=10_000))
         finally:
             done.set()
 
@@ -109,7 +111,7 @@ def test_loop_stepped_by_the_calling_thread_serves_client_threads(tiny_checkpoin
     with pytest.raises(RuntimeError, match="stopped"):
         list(results["open"])
     with pytest.raises(RuntimeError, match="shut down"):
-        loop.submit(prompts[0], SamplingParams(max_new_tokens=2))
+        loop.submit(prompts[0], SamplingParams(max_new_tokens=2), lambda item: None)
     loop.shutdown()
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from fastgen import EngineConfig, SamplingParams
 from fastgen.engine import Engine, RequestFailed
-from fastgen.engine import EngineLoop
+from fastgen.engine import EngineLoop, submit_group
 
 NUM_BLOCKS = 96
 LONG_PROMPT = [5, 6, 7, 8, 9]
@@ -54,12 +54,12 @@ def _greedy(**kw):
 def test_greedy_with_seed_is_accepted_and_deterministic(engine):
     loop = EngineLoop(engine)
     try:
-        plain = [t for d in loop.submit([3, 4, 5], _greedy(max_new_tokens=8)) for t in d.token_ids]
-        seeded = [t for d in loop.submit([3, 4, 5], _greedy(max_new_tokens=8, seed=123)) for t in d.token_ids]
-        zero_temp = [t for d in loop.submit([3, 4, 5], SamplingParams(temperature=0.0, seed=9, max_new_tokens=8))
+        plain = [t for d in submit_group(loop, [[3, 4, 5]], _greedy(max_new_tokens=8)) for t in d.token_ids]
+        seeded = [t for d in submit_group(loop, [[3, 4, 5]], _greedy(max_new_tokens=8, seed=123)) for t in d.token_ids]
+        zero_temp = [t for d in submit_group(loop, [[3, 4, 5]], SamplingParams(temperature=0.0, seed=9, max_new_tokens=8))
                      for t in d.token_ids]
         choices = {}
-        for d in loop.submit([3, 4, 5], _greedy(max_new_tokens=8, seed=5, n=3)):
+        for d in submit_group(loop, [[3, 4, 5]], _greedy(max_new_tokens=8, seed=5, n=3)):
             choices.setdefault(d.index, []).extend(d.token_ids)
     finally:
         loop.shutdown()
@@ -77,23 +77,23 @@ def test_long_stream_survives_every_bad_request(engine, monkeypatch):
     errors: dict[str, BaseException] = {}
 
     def long_client():
-        for delta in loop.submit(LONG_PROMPT, _greedy(max_new_tokens=LONG_TOKENS)):
+        for delta in submit_group(loop, [LONG_PROMPT], _greedy(max_new_tokens=LONG_TOKENS)):
             long_tokens.extend(delta.token_ids)
         long_done.set()
 
     def expect_rejected(name, prompt, params=None, exc=(ValueError, TypeError)):
         with pytest.raises(exc) as info:
-            loop.submit(prompt, params)
+            loop.submit(prompt, params, lambda item: None)  # refused before anything is delivered
         errors[name] = info.value
 
     def expect_failed(name, prompt, params):
-        stream = loop.submit(prompt, params)
+        stream = submit_group(loop, [prompt], params)
         with pytest.raises(RequestFailed) as info:
             list(stream)
         errors[name] = info.value
 
     def expect_ok(name, prompt, params):
-        deltas = list(loop.submit(prompt, params))
+        deltas = list(submit_group(loop, [prompt], params))
         assert deltas[-1].finish_reason in ("stop", "length"), name
         return deltas
 
@@ -114,7 +114,7 @@ def test_long_stream_survives_every_bad_request(engine, monkeypatch):
         stopped = expect_ok("stop mid-token", [3, 4, 5], _greedy(max_new_tokens=30, stop=["e"]))
         assert "e" not in "".join(d.generated_text for d in stopped)
         # Aborted while its steps run.
-        aborted = loop.submit([3, 4, 5] * 4, _greedy(max_new_tokens=200))
+        aborted = submit_group(loop, [[3, 4, 5] * 4], _greedy(max_new_tokens=200))
         first = next(iter(aborted))
         aborted.abort()
         assert [d.finish_reason for d in aborted][-1] == "abort" and first.finish_reason == "none"
@@ -141,7 +141,7 @@ def _run_alone(engine, prompt, n):
     """The long stream alone, as the reference for its tokens."""
     loop = EngineLoop(engine)
     try:
-        return list(loop.submit(prompt, _greedy(max_new_tokens=n)))
+        return list(submit_group(loop, [prompt], _greedy(max_new_tokens=n)))
     finally:
         loop.shutdown()
 

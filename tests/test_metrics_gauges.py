@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import fastgen
-from fastgen.engine import EngineLoop
+from fastgen.engine import EngineLoop, submit_group
 from fastgen.serving.metrics import ServingMetrics
 
 MODEL = "tiny"
@@ -42,7 +42,7 @@ def test_gauges_of_a_live_engine(tiny_checkpoints):
         metrics = ServingMetrics(pipe.engine.stats, model_name=MODEL)
         assert {k: _gauges(metrics)[k] for k in GATEWAY_API} == dict.fromkeys(GATEWAY_API, 0.0)
         # max_seqs=1: one request runs, the second waits behind it.
-        streams = [loop.submit([5, 6, 7, 8], fastgen.SamplingParams(max_new_tokens=200, do_sample=False))
+        streams = [submit_group(loop, [[5, 6, 7, 8]], fastgen.SamplingParams(max_new_tokens=200, do_sample=False))
                    for _ in range(2)]
         deadline = time.monotonic() + 30
         while _gauges(metrics)["vllm:num_requests_running"] < 1:

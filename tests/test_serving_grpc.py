@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 import fastgen
 from fastgen import EngineConfig, SamplingParams
 from fastgen.engine import Engine
-from fastgen.engine import EngineLoop
+from fastgen.engine import EngineLoop, submit_group
 from fastgen.serving.backend import LocalBackend
 from fastgen.serving.client import AsyncClient, Client
 from fastgen.serving.grpc.convert import params_from_proto, params_to_proto, value_from_mii
@@ -334,15 +334,15 @@ def test_replica_router_in_process(served, pipe):
     client = Client(front.address)
     try:
         long = dict(do_sample=False, ignore_eos=True, max_new_tokens=300)
-        first = router.submit([5, 6, 7], SamplingParams(**long))
-        second_stream = router.submit([5, 6, 8], SamplingParams(max_new_tokens=2))
-        assert [first.request_id[:2], second_stream.request_id[:2]] == ["r0", "r1"]
+        first = submit_group(router, [[5, 6, 7]], SamplingParams(**long))
+        second_stream = submit_group(router, [[5, 6, 8]], SamplingParams(max_new_tokens=2))
+        assert [first.request_ids[0][:2], second_stream.request_ids[0][:2]] == ["r0", "r1"]
         list(second_stream)
-        least_loaded = router.submit([5, 6, 9], SamplingParams(max_new_tokens=2))
-        assert least_loaded.request_id.startswith("r1")  # replica 0 is busy with `first`
+        least_loaded = submit_group(router, [[5, 6, 9]], SamplingParams(max_new_tokens=2))
+        assert least_loaded.request_ids[0].startswith("r1")  # replica 0 is busy with `first`
         list(least_loaded)
-        next(iter(first))
-        router.abort(first.request_id)  # cancels the replica's call; the engine frees the blocks
+        next(first.batches())
+        router.abort(first.request_ids[0])  # cancels the replica's call; the engine frees the blocks
         _wait_idle(served.engine)
 
         prompts = ["through the router", [3, 4, 5]]

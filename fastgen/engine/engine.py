@@ -26,7 +26,6 @@ from fastgen.engine.block_manager import BlockManager
 from fastgen.engine.builder import build_runner, plan_engine, refuse_unbuilt
 from fastgen.engine.detokenizer import TextStream
 from fastgen.engine.grammar import StructuredOutputManager
-from fastgen.engine.request_group import full_text_prefix
 from fastgen.engine.step.sampling_metadata import make_generator
 from fastgen.engine.scheduler import ScheduledBatch, Scheduler
 from fastgen.engine.sequence import Sequence, SequenceStatus
@@ -53,15 +52,17 @@ def _stop_group(group: TensorParallelGroup, num_threads: int) -> None:
 class Engine:
     """Owns runner, KV blocks, scheduler and executor; turns requests into `Response` deltas."""
 
-    def __init__(self, runner: ModelRunner, tokenizer: Any, *, eos_token_ids: Iterable[int] = (),
+    def __init__(self, plan: Plan, runner: ModelRunner, tokenizer: Any, *, eos_token_ids: Iterable[int] = (),
                  config: EngineConfig | None = None, tp_group: TensorParallelGroup | None = None,
                  threads_before: int = 0) -> None:
-        """An engine over a built `runner` (see `fastgen.engine.builder`; `Engine.from_config` builds
-        one from an `EngineConfig`). The runner's plan (`runner.spec.plan`) sets the scheduler's token
+        """An engine serving `plan` over a `runner` built for it (see `fastgen.engine.builder`;
+        `Engine.from_config` builds both from an `EngineConfig`). `plan` sets the scheduler's token
         budget and seats, `runner.spec` the KV blocks and context; `config` the remaining options
         (prefix caching, seed). The engine owns `tp_group` and stops it at `shutdown` (or when
         collected), giving this process back `threads_before` CPU threads."""
-        plan: Plan = runner.spec.plan
+        if runner.spec.plan != plan:
+            raise ValueError("the runner was built for another plan (its spec.plan): build it with "
+                             "fastgen.engine.builder.build_runner(config, plan)")
         refuse_unbuilt(plan)
         self.plan = plan
         self.runner = runner
@@ -103,7 +104,7 @@ class Engine:
         build the engine: what `fastgen.pipeline` and `serve` do."""
         plan = plan_engine(config)
         built = build_runner(config, plan)
-        return cls(built.runner, built.tokenizer, eos_token_ids=built.eos_token_ids, config=config,
+        return cls(plan, built.runner, built.tokenizer, eos_token_ids=built.eos_token_ids, config=config,
                    tp_group=built.tp_group, threads_before=built.threads_before)
 
     @property
@@ -245,24 +246,6 @@ class Engine:
             num_cached_tokens=seq.num_cached_prompt_tokens,
             request_id=seq.request_id,
             error=update.error,
-        )
-
-    def final_response(self, seq: Sequence) -> Response:
-        """The whole completion of a finished (or aborted) sequence."""
-        text = seq.stream.text
-        if seq.params.return_full_text:
-            text = full_text_prefix(self.tokenizer, seq.prompt_token_ids, seq.params) + text
-        return Response(
-            generated_text=text,
-            prompt_length=seq.num_prompt_tokens,
-            generated_length=len(seq.output_token_ids),
-            finish_reason=seq.finish_reason or "none",
-            token_ids=list(seq.output_token_ids),
-            logprobs=seq.logprobs,
-            prompt_logprobs=seq.prompt_logprobs,
-            index=seq.index,
-            num_cached_tokens=seq.num_cached_prompt_tokens,
-            request_id=seq.request_id,
         )
 
     def sequences(self, request_id: str) -> list[Sequence]:

@@ -1,9 +1,10 @@
 """Drives one `Engine` from a background thread so many callers (server handlers, threads,
 asyncio tasks) share its continuous batching.
 
-Callers never touch the engine directly: they send commands (add, abort) through a queue and
-read their request's deltas from their own queue. Only the loop thread steps the engine, so the
-engine itself needs no locks.
+Callers never touch the engine directly: they send commands (add, abort) through a queue, and
+each request's deltas go to the sink it was submitted with (a `RequestGroup`'s; see
+`delivery.py` for when a sink ends). Only the loop thread steps the engine, so the engine itself
+needs no locks.
 """
 
 from __future__ import annotations
@@ -12,62 +13,35 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 from fastgen.executor.distributed import TensorParallelError
 from fastgen.engine.admission import PreparedRequest
+from fastgen.engine.delivery import Deliveries
 from fastgen.engine.engine import Engine
 from fastgen.engine.step.output import RequestFailed
-from fastgen.engine.request_group import END as _DONE, Sink
-from fastgen.outputs import Response
+from fastgen.engine.request_group import Sink
 from fastgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("fastgen")
 
-__all__ = ["EngineLoop", "RequestFailed", "RequestStream"]
+__all__ = ["EngineLoop", "LoopRequest", "RequestFailed"]
 
 TOKENIZER_THREADS = 4
 """Threads that tokenize `submit_async` prompts, so neither an event loop nor the engine thread
 ever spends time in the tokenizer (fast tokenizers release the GIL while they encode)."""
 
 
-class RequestStream:
-    """The deltas of one submitted request, ending after each of its `n` choices has finished."""
+class LoopRequest:
+    """One request submitted to an `EngineLoop` (a `RequestGroup` member): its id and `abort()`."""
 
-    def __init__(self, loop: "EngineLoop", request_id: str, n: int, deliver: Callable[[Any], None],
-                 source: Any) -> None:
+    def __init__(self, loop: "EngineLoop", request_id: str) -> None:
         self.request_id = request_id
         self._loop = loop
-        self._remaining = n
-        self._deliver = deliver
-        self._source = source
-
-    def _push(self, item: Any) -> None:
-        """Called on the loop thread with a Response, an exception, or `_DONE`."""
-        self._deliver(item)
-
-    def __iter__(self) -> Iterator[Response]:
-        while True:
-            item = self._source.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    async def __aiter__(self) -> AsyncIterator[Response]:
-        while True:
-            item = await self._source.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
 
     def abort(self) -> None:
-        """Cancel the request; its KV blocks are freed at the next step."""
+        """Cancel the request; its KV blocks are freed at the next step and its sink ends."""
         self._loop.abort(self.request_id)
 
 
@@ -80,7 +54,7 @@ class EngineLoop:
         caller's `run()` (the process's main thread, see `run`)."""
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
+        self._deliveries = Deliveries()  # touched only on the loop thread
         self._stopped = threading.Event()
         self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="fastgen-tokenize")
         self.fatal_error: BaseException | None = None
@@ -114,17 +88,21 @@ class EngineLoop:
         finally:
             self._abort_all(RuntimeError("the engine loop stopped"))
 
-    def submit(self, prompt: Any, params: SamplingParams | None = None, deliver: Sink | None = None) -> RequestStream:
-        """Queue a request; raises here (ValueError/TypeError) if the engine rejects it.
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (what `submit_group` needs for `return_full_text`)."""
+        return self.engine.tokenizer
+
+    def submit(self, prompt: Any, params: SamplingParams | None, deliver: Sink) -> LoopRequest:
+        """Queue a request whose deltas go to `deliver` (a `RequestGroup` sink, called on the engine
+        thread); raises here (ValueError/TypeError) if the engine rejects it. To read one prompt's
+        deltas, `submit_group(loop, [prompt], params)` builds the group.
 
         The prompt is tokenized and validated on the calling thread; the engine thread only queues it.
-        `deliver` (a `RequestGroup` sink, called on the engine thread) receives the deltas instead of
-        the returned stream, which is then not iterable.
         """
         self._check_running()
         prepared = self.engine.prepare(prompt, params)
-        deltas: queue.SimpleQueue | None = queue.SimpleQueue() if deliver is None else None
-        future = self._add(prepared, deliver or deltas.put, deltas)
+        future = self._add(prepared, deliver)
         while True:
             try:
                 return future.result(timeout=0.5)
@@ -134,10 +112,8 @@ class EngineLoop:
                 if self._stopped.is_set() or (self._own_thread and not self._thread.is_alive()):
                     self._fail_pending()
 
-    async def submit_async(self, prompt: Any, params: SamplingParams | None = None,
-                           deliver: Sink | None = None) -> RequestStream:
-        """Like `submit`, for asyncio code: `stream = await loop.submit_async(...)`, then `async for`
-        (or the deltas go to `deliver`, as for `submit`).
+    async def submit_async(self, prompt: Any, params: SamplingParams | None, deliver: Sink) -> LoopRequest:
+        """`submit` for asyncio code (`deliver` is an asynchronous `RequestGroup`'s sink).
 
         Tokenizing runs on the loop's tokenizer threads and acceptance is awaited, so the event loop
         is never blocked, however long the prompt or the current engine step.
@@ -145,11 +121,7 @@ class EngineLoop:
         self._check_running()
         aio_loop = asyncio.get_running_loop()
         prepared = await aio_loop.run_in_executor(self._tokenizers, self.engine.prepare, prompt, params)
-        if deliver is not None:
-            return await asyncio.wrap_future(self._add(prepared, deliver, None))
-        deltas: asyncio.Queue = asyncio.Queue()
-        future = self._add(prepared, lambda item: aio_loop.call_soon_threadsafe(deltas.put_nowait, item), deltas)
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(self._add(prepared, deliver))
 
     @property
     def stopped(self) -> bool:
@@ -162,9 +134,9 @@ class EngineLoop:
         if self._stopped.is_set():
             raise RuntimeError("the engine loop is shut down")
 
-    def _add(self, prepared: PreparedRequest, deliver: Callable[[Any], None], source: Any) -> Future:
+    def _add(self, prepared: PreparedRequest, deliver: Sink) -> Future:
         future: Future = Future()
-        self._commands.put(("add", prepared, deliver, source, future))
+        self._commands.put(("add", prepared, deliver, future))
         if self._stopped.is_set():  # the loop may have drained its queue for the last time already
             self._fail_pending()
         return future
@@ -211,12 +183,10 @@ class EngineLoop:
                     # "invalid argument".
                     error = RequestFailed(f"the engine step failed: {type(exc).__name__}: {exc}")
                     error.__cause__ = exc
-                for request_id in list(self._streams):
+                for request_id in self._deliveries.close_all(error):
                     self.engine.abort(request_id)
-                    self._close(request_id, error)
                 continue
-            for delta in deltas:
-                self._route(delta)
+            self._deliveries.deliver_all(deltas)
         self._fail_pending()
 
     def _fail_pending(self) -> None:
@@ -237,7 +207,7 @@ class EngineLoop:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, prepared, deliver, source, future = command
+            _, prepared, deliver, future = command
             if future.done():  # answered by `_fail_pending` on another thread
                 return
             try:
@@ -245,42 +215,19 @@ class EngineLoop:
             except Exception as exc:
                 future.set_exception(exc)
                 return
-            stream = RequestStream(self, request_id, prepared.params.n, deliver, source)
-            self._streams[request_id] = stream
-            future.set_result(stream)
+            self._deliveries.open(request_id, deliver, prepared.params.n)
+            future.set_result(LoopRequest(self, request_id))
         elif kind == "abort":
             request_id = command[1]
-            stream = self._streams.get(request_id)
             for delta in self.engine.abort(request_id):
-                if stream is not None and delta.finish_reason == "abort":
-                    stream._push(delta)  # choices that had already finished were delivered before
-            self._close(request_id, None)
+                if delta.finish_reason == "abort":  # choices that had already finished were delivered before
+                    self._deliveries.deliver(delta)
+            self._deliveries.close(request_id)
         elif kind == "stop":
             self._abort_all(RuntimeError("the engine loop was shut down"))
 
     def _abort_all(self, error: BaseException) -> None:
-        """Abort every open request, ending its stream with `error`, and stop taking requests."""
-        for request_id in list(self._streams):
+        """Abort every open request, ending its sink with `error`, and stop taking requests."""
+        for request_id in self._deliveries.close_all(error):
             self.engine.abort(request_id)
-            self._close(request_id, error)
         self._stopped.set()
-
-    def _route(self, delta: Response) -> None:
-        stream = self._streams.get(delta.request_id)
-        if stream is None:
-            return
-        if delta.error is not None:
-            self._close(delta.request_id, delta.error)
-            return
-        stream._push(delta)
-        if delta.finish_reason != "none":
-            stream._remaining -= 1
-            if stream._remaining == 0:
-                self._close(delta.request_id, None)
-
-    def _close(self, request_id: str, error: BaseException | None) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            if error is not None:
-                stream._push(error)
-            stream._push(_DONE)

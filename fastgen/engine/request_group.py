@@ -1,6 +1,6 @@
 """The prompts of one call, submitted together and read as one stream: `RequestGroup`.
 
-Every caller that runs several prompts as one call (the pipeline's `stream`, the gRPC services,
+Every caller that runs prompts as one call (the pipeline's calls and streams, the gRPC services,
 the REST gateway; locally or through the replica router) builds one group. Each prompt's request
 delivers into the group's one inbox through its sink (`group.sink(i)`), so the deltas of all
 prompts interleave as they are produced with no thread or task per prompt. The group stamps each
@@ -8,8 +8,9 @@ delta with its `prompt_index`, puts the `return_full_text` prefix on the first d
 completion (so a completion's deltas add up to its final text), merges them into final responses
 (`merge_deltas`), and aborts every request when the reader leaves early or one of them fails.
 
-A request's producer (`EngineLoop`, the replica router, the pipeline) calls its sink, on any
-thread, with each `Response`, then the exception if the request failed, then `END`. The group has
+A request's producer (`EngineLoop`, the replica router, the pipeline, each through its
+`Deliveries`) calls its sink, on any thread, with each `Response`, then the exception if the
+request failed, then `END`. The group has
 two faces over the same inbox logic: `for delta in group` blocks (or, given `drive`, steps an
 engine on the reading thread while nothing is ready), `async for delta in group` awaits.
 """
@@ -24,7 +25,7 @@ from typing import Any, Protocol
 from fastgen.outputs import Response
 from fastgen.sampling_params import FieldError, SamplingParams, field_error
 
-__all__ = ["END", "Member", "RequestGroup", "Sink", "full_text_prefix", "merge_deltas"]
+__all__ = ["END", "Member", "RequestGroup", "Sink", "Submitter", "full_text_prefix", "merge_deltas", "submit_group"]
 
 END = object()
 """What a request's producer delivers last: the request will deliver nothing more."""
@@ -42,6 +43,16 @@ class Member(Protocol):
 
     def abort(self) -> None:
         """Cancel the request (from any thread; a finished one ignores it)."""
+
+
+class Submitter(Protocol):
+    """What takes one prompt's request and delivers its deltas to a sink: an `EngineLoop`, a
+    serving backend (the replica router)."""
+
+    tokenizer: Any
+
+    def submit(self, prompt: Any, params: SamplingParams | None, deliver: Sink) -> Member:
+        """Queue the request (raising ValueError/TypeError if it is refused) and return it."""
 
 
 def merge_deltas(deltas: Iterable[Response]) -> list[Response]:
@@ -73,8 +84,8 @@ def merge_deltas(deltas: Iterable[Response]) -> list[Response]:
 
 def full_text_prefix(tokenizer: Any, prompt: Prompt, params: SamplingParams) -> str:
     """The text `return_full_text` puts before a completion: the prompt's tokens the engine keeps
-    (after `truncate_prompt_tokens`) decoded without special tokens, as `Engine.final_response`
-    does. Blocking tokenizer work: an event loop runs it on a worker."""
+    (after `truncate_prompt_tokens`) decoded without special tokens. Blocking tokenizer work: an
+    event loop runs it on a worker."""
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     if params.truncate_prompt_tokens is not None:
         ids = ids[-params.truncate_prompt_tokens:]
@@ -242,3 +253,18 @@ class RequestGroup:
                 item = more()
             except (queue.Empty, asyncio.QueueEmpty):
                 return batch
+
+
+def submit_group(submitter: Submitter, prompts: Sequence[Prompt], params: SamplingParams,
+                 field: str = "prompts") -> RequestGroup:
+    """Submit every prompt (each validated by the engine; a refused one aborts the others and raises
+    its error naming `field[i]`) as one group to read, with the `return_full_text` prefixes. Blocking."""
+    group = RequestGroup(params.n)
+    group.submit_each(prompts, lambda prompt, sink: submitter.submit(prompt, params, sink), field)
+    if params.return_full_text:
+        try:
+            group.set_prefixes([full_text_prefix(submitter.tokenizer, p, params) for p in prompts])
+        except BaseException:
+            group.abort()
+            raise
+    return group

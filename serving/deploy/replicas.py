@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastgen.api import normalise_prompts
-from fastgen.engine import END, Sink
+from fastgen.engine import Deliveries, Sink
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.backend import BackendUnavailable, ModelInfo, ReplicaInfo
@@ -125,17 +125,6 @@ class RemoteStream:
         self._call.cancel()
 
 
-def _pump(stream: RemoteStream, deliver: Sink) -> None:
-    """Hand a replica request's deltas to its group's sink (a thread per request: a gRPC stream's
-    reads block)."""
-    try:
-        for delta in stream:
-            deliver(delta)
-    except Exception as exc:  # raised by the group's reader
-        deliver(exc)
-    deliver(END)
-
-
 class ReplicaRouter:
     """Backend over replicas: least-loaded routing, health monitoring, routing around failures."""
 
@@ -149,6 +138,7 @@ class ReplicaRouter:
         self._on_all_down = on_all_down
         self._lock = threading.Lock()
         self._streams: dict[str, RemoteStream] = {}
+        self._deliveries = Deliveries()
         self._next = 0
         self._closed = threading.Event()
         self._interval = check_interval
@@ -178,12 +168,9 @@ class ReplicaRouter:
             if request_id is not None:
                 self._streams.pop(request_id, None)
 
-    def submit(self, prompt: Any, params: SamplingParams | None = None, deliver: Sink | None = None) -> RemoteStream:
-        """Send a request to the least-loaded healthy replica; raises its ValueError/TypeError if rejected.
-
-        The returned stream is iterable, unless `deliver` (a `RequestGroup` sink) is given: a thread
-        then reads the replica's deltas into it.
-        """
+    def submit(self, prompt: Any, params: SamplingParams | None, deliver: Sink) -> RemoteStream:
+        """Send a request to the least-loaded healthy replica, whose deltas a thread reads into
+        `deliver` (a `RequestGroup` sink); raises its ValueError/TypeError if rejected."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -200,9 +187,9 @@ class ReplicaRouter:
                 stream = RemoteStream(self, replica, call, request_id, params.logprobs is not None)
                 with self._lock:
                     self._streams[request_id] = stream
-                if deliver is not None:
-                    threading.Thread(target=_pump, args=(stream, deliver), daemon=True,
-                                     name="fastgen-replica-pump").start()
+                # Ended by `_pump` when the call ends (the replica released), not by its last delta.
+                self._deliveries.open(request_id, deliver, None)
+                threading.Thread(target=self._pump, args=(stream,), daemon=True, name="fastgen-replica-pump").start()
                 return stream
             self.release(replica, None)
             if call.code() == grpc.StatusCode.UNAVAILABLE:
@@ -210,6 +197,16 @@ class ReplicaRouter:
                 tried.add(replica.index)
                 continue
             raise _replica_error(call)
+
+    def _pump(self, stream: RemoteStream) -> None:
+        """Deliver a replica request's deltas (a thread per request: a gRPC stream's reads block);
+        the stream's end, or its error, ends the request."""
+        try:
+            for delta in stream:
+                self._deliveries.deliver(delta)
+        except Exception as exc:
+            self._deliveries.close(stream.request_id, exc)
+        self._deliveries.close(stream.request_id)
 
     async def submit_async(self, prompt: Any, params: SamplingParams | None, deliver: Sink) -> RemoteStream:
         """`submit` for asyncio code, delivering to `deliver` (an asynchronous `RequestGroup`'s sink).

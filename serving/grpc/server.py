@@ -31,10 +31,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fastgen.api import normalise_prompts, split_mii_stream
-from fastgen.engine import RequestGroup, TensorParallelError
+from fastgen.engine import RequestGroup, TensorParallelError, submit_group
 from fastgen.outputs import Response
 from fastgen.sampling_params import FieldTypeError, FieldValueError, SamplingParams
-from fastgen.serving.backend import Backend, BackendUnavailable, submit_group
+from fastgen.serving.backend import Backend, BackendUnavailable
 from fastgen.serving.grpc.convert import (completion_from_response, kwargs_from_mii, model_info_to_proto,
                                           params_from_proto, prompts_from_proto)
 from fastgen.serving.admission import Draining, Overloaded, PendingBudget, shared_budget
