@@ -113,13 +113,6 @@ class Pipeline:
         """The model's Hugging Face tokenizer."""
         return self.engine.tokenizer
 
-    def _validated(self, prompts: Prompts, gen: dict[str, Any]) -> tuple[SamplingParams, list[list[int]]]:
-        """The call's params and every prompt's token ids, all validated before anything is queued."""
-        engine = self.engine
-        gen, _ = split_mii_stream(gen)  # MII's flag: whether the call streams is the method's choice here
-        params = SamplingParams.from_kwargs(**gen)
-        return params, [engine.encode_prompt(p) for p in normalise_prompts(prompts)]
-
     def __call__(self, prompts: Prompts, **gen: Any) -> list[Response]:
         """Generate for every prompt; one Response per prompt (n per prompt with `n>1`), in input order.
 
