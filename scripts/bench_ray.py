@@ -9,9 +9,11 @@ and gets the same load: `--requests` completions of `--max-tokens` tokens each (
 the configurations alternating within a round. Figures: generated tokens per second of wall time
 (median over the repeats) and the proxy's overhead, 1 - Ray's tok/s / direct's. The direct server
 steps its engine on the process's main thread (`scripts/serve.py`); a Serve replica steps it on a
-thread of the replica actor. With 2 replicas on a 2-core machine each replica gets one core
-(`OMP_NUM_THREADS=1`, `num_cpus=1`), the single replica and the direct server both. Everything
-listens on 127.0.0.1; the Ray cluster is local (`ray.init(num_cpus=2)`). JSON goes to
+thread of the replica actor. The machine's 2 cores are split evenly among the engines: the direct
+server is one engine (`--replica-num 1`, whatever the policy would plan) with 2 threads
+(`OMP_NUM_THREADS=2`), as is the single Serve replica (`num_cpus=2`), so that pair differs only in
+the path a request takes; with 2 replicas each gets one core (`OMP_NUM_THREADS=1`, `num_cpus=1`).
+Everything listens on 127.0.0.1; the Ray cluster is local (`ray.init(num_cpus=2)`). JSON goes to
 `bench_results/bench_ray.json`.
 """
 
@@ -33,6 +35,8 @@ import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = {"progress": False}
+CORES = 2
+"""The cores the configurations share: Ray's cluster has this many CPUs, the direct server this many threads."""
 
 
 def _free_port() -> int:
@@ -87,10 +91,11 @@ class Direct:
 
     def __init__(self, model: str | None) -> None:
         port, self.rest_port = _free_port(), _free_port()
+        # One engine with every core, as the single Serve replica: the policy could plan several replicas.
         argv = [sys.executable, os.path.join(REPO, "scripts", "serve.py"), "--port", str(port), "--enable-restful-api",
-                "--restful-api-port", str(self.rest_port), "--deployment-name", "bench-ray-direct", "--no-progress"]
-        # The same threads as the single Serve replica gets.
-        env = {**os.environ, "OMP_NUM_THREADS": "2"}
+                "--restful-api-port", str(self.rest_port), "--deployment-name", "bench-ray-direct", "--no-progress",
+                "--replica-num", "1"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(CORES)}
         self.proc = subprocess.Popen(argv + (["--model", model] if model else []), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
         for line in self.proc.stdout:
@@ -115,9 +120,9 @@ class RayApp:
 
         from fastgen.serving.ray_app import build_app
 
-        threads = str(2 // replicas)
+        threads = str(CORES // replicas)
         options = {**ENGINE, "num_replicas": replicas, "deployment_name": "bench-ray",
-                   "ray_actor_options": {"num_cpus": 2 / replicas,
+                   "ray_actor_options": {"num_cpus": CORES / replicas,
                                          "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}}}
         if model:
             options["model"] = model
@@ -147,7 +152,7 @@ def main() -> None:
 
     from fastgen.engine import DEMO_MODEL_DIR
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(num_cpus=CORES, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     proxy_port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
     proxy = f"http://127.0.0.1:{proxy_port}"

@@ -1,7 +1,9 @@
 """fastgen on Ray Serve (`fastgen.serving.ray_app`): a local Ray cluster on loopback (`ray.init(num_cpus=2)`)
 running 2 replicas of the bundled demo model, driven through Ray's HTTP proxy by the official openai
 client. One cluster and one application serve the whole module (starting Ray costs tens of seconds);
-the drain test runs last because it deletes the application.
+the drain test runs last because it deletes the application. The cluster also declares 2 GPUs that do
+not exist (Ray takes `num_gpus` on trust): the tensor-parallel placement test reads which of them Ray
+assigned to each bundle; the replicas of the application reserve CPUs only.
 """
 
 import json
@@ -18,12 +20,15 @@ ray = pytest.importorskip("ray", reason="the ray extra (pip install 'fastgen[ray
 from ray import serve  # noqa: E402
 
 import fastgen  # noqa: E402
-from fastgen.serving.ray_app import REPLICA_HEADER, FastGenServer, build_app  # noqa: E402
+from fastgen.serving.ray_app import (REPLICA_HEADER, FastGenServer, build_app, default_actor_resources,  # noqa: E402
+                                     placement_group_gpu_ids)
 
 APP = "fastgen"
 MODEL = "demo"
 ENGINE = {"num_kv_blocks": "128", "block_size": "16", "token_budget": "64", "max_seqs": "16", "progress": "false"}
 PROMPTS = ["DeepSpeed is", "Seattle is"]
+ABORTED = 'fastgen_sequences_finished_total{finish_reason="abort"}'
+KV_USAGE = f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}}'
 
 
 def _free_port() -> int:
@@ -45,7 +50,7 @@ def _eventually(predicate, timeout: float, what: str, interval: float = 0.2):
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray cluster on 127.0.0.1 and Serve's HTTP proxy on a free loopback port."""
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "FASTGEN_COMPILE": "off"}})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -141,9 +146,9 @@ def test_both_replicas_serve(app, client):
 
 
 def test_a_client_disconnect_aborts_the_request(app):
-    """A stream closed by its client after its first event is aborted in the engine: nothing is left running."""
-    aborted_before = sum(v.get('fastgen_sequences_finished_total{finish_reason="abort"}', 0)
-                         for v in _engine_stats(app).values())
+    """A stream closed by its client after its first event is aborted in the engine: nothing is left running
+    and every KV block is free again (`fastgen_kv_blocks_free`, `vllm:kv_cache_usage_perc`)."""
+    aborted_before = sum(v.get(ABORTED, 0) for v in _engine_stats(app).values())
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", app + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
@@ -151,11 +156,12 @@ def test_a_client_disconnect_aborts_the_request(app):
 
     def idle() -> bool:
         stats = _engine_stats(app)
-        aborted = sum(v.get('fastgen_sequences_finished_total{finish_reason="abort"}', 0) for v in stats.values())
-        return len(stats) == 2 and aborted == aborted_before + 1 and \
-            all(v["fastgen_engine_requests"] == 0 for v in stats.values())
+        aborted = sum(v.get(ABORTED, 0) for v in stats.values())
+        return len(stats) == 2 and aborted == aborted_before + 1 and all(
+            v["fastgen_engine_requests"] == 0 and v["fastgen_kv_blocks_free"] == v["fastgen_kv_blocks_total"]
+            and v[KV_USAGE] == 0 for v in stats.values())
 
-    _eventually(idle, 30, "the disconnected request aborted and its replica idle")
+    _eventually(idle, 30, "the disconnected request aborted, its KV blocks free and its replica idle")
 
 
 def test_check_health_fails_once_the_engine_loop_stopped():
@@ -188,7 +194,19 @@ def test_a_killed_replica_is_routed_around_and_restored(app, client, reference):
 
 
 def test_drain_finishes_the_streams_in_flight_and_refuses_new_ones(app):
-    """Serve stops the application during 8 streams: all 8 finish whole; new requests are refused."""
+    """Serve stops the application during 8 streams: all 8 finish whole; new requests are refused.
+
+    The refusal is Serve's, not a replica's, so it is 404 or 503 and never the replica's own 503 with
+    `/health` failing (as `scripts/serve.py` drains). Ray Serve 2.60 tells a replica nothing when its
+    graceful shutdown begins: the replica actor's `_perform_graceful_shutdown` sets a private
+    `_shutting_down` flag (read only by the direct-ingress data-plane health check, off by default),
+    waits for the ongoing requests, and only then calls the user callable's `__del__`; no public hook
+    runs before the wait. Nor could a replica's 503 reach a client: from the moment the controller
+    stops a replica, the proxy's router sends it nothing new, `/health` included. What a client gets
+    comes from the proxy: 503 (`DeploymentUnavailableError`) while the deleted deployment is still
+    routed with no replica to take the request, then 404 once the application's route is gone. The
+    test asserts that no replica answered the refusal (no `x-fastgen-replica` header).
+    """
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "stream": True, "ignore_eos": True}
     started = threading.Barrier(9)
     results: list = [None] * 8
@@ -224,7 +242,7 @@ def test_drain_finishes_the_streams_in_flight_and_refuses_new_ones(app):
 
     def refused() -> bool:
         resp = httpx.post(app + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=30)
-        return resp.status_code in (404, 503)
+        return resp.status_code in (404, 503) and REPLICA_HEADER not in resp.headers
 
     _eventually(refused, 60, "new requests refused while draining")
     for t in threads:
@@ -266,3 +284,64 @@ def test_build_app_options_reach_serve():
     assert config.autoscaling_config.max_replicas == 3 and config.autoscaling_config.target_ongoing_requests == 8
     assert deployment._replica_config.placement_group_bundles == [{"CPU": 2.0}, {"CPU": 2.0}]
     assert deployment._replica_config.placement_group_strategy == "STRICT_PACK"
+
+
+def test_placement_group_gpu_ids_never_asks_for_the_replicas_own_bundle():
+    """Bundle 0's GPU is the replica actor's (a task asking Ray for it would wait forever); the others are
+    read from their bundles, and the ids come out in rank order."""
+    asked: list[list[tuple[int, float]]] = []
+
+    def others(bundles: list[tuple[int, float]]) -> list[list[str]]:
+        asked.append(bundles)
+        return [[str(4 + index)] for index, _ in bundles]
+
+    bundles = [{"GPU": 1.0, "CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+    assert placement_group_gpu_ids(bundles, ["2"], others) == ["2", "5", "6"]
+    assert asked == [[(1, 1.0), (2, 1.0)]]
+    # A CPU placement group: nothing to look up, CUDA_VISIBLE_DEVICES stays as it is.
+    assert placement_group_gpu_ids([{"CPU": 2.0}, {"CPU": 2.0}], [], others) == [] and len(asked) == 1
+    with pytest.raises(ValueError, match="holds no GPU"):
+        placement_group_gpu_ids(bundles, [], others)
+    with pytest.raises(RuntimeError, match="bundle 1"):
+        placement_group_gpu_ids(bundles, ["2"], lambda b: [[] for _ in b])
+
+
+def test_a_tensor_parallel_replica_sees_every_gpu_of_its_bundles(cluster):
+    """In a real placement group of 2 one-GPU bundles (the cluster's 2 declared GPUs), the task holding
+    bundle 0's GPU, as a replica does, widens CUDA_VISIBLE_DEVICES to both GPUs, its own first, without
+    waiting for a GPU it holds itself."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0, num_gpus=1)
+    def replica_devices() -> tuple[str, list[str]]:
+        from fastgen.serving.ray_app import _use_placement_group_devices
+
+        own = [str(i) for i in ray.get_runtime_context().get_accelerator_ids()["GPU"]]
+        _use_placement_group_devices(2)
+        return os.environ["CUDA_VISIBLE_DEVICES"], own
+
+    group = placement_group([{"GPU": 1}, {"GPU": 1}], strategy="STRICT_PACK")
+    try:
+        ray.get(group.ready(), timeout=60)
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+        visible, own = ray.get(replica_devices.options(scheduling_strategy=strategy).remote(), timeout=90)
+    finally:
+        remove_placement_group(group)
+    assert visible.split(",")[:1] == own and sorted(visible.split(",")) == ["0", "1"]
+
+
+def test_default_actor_resources_follow_the_device_the_plan_would_pick(cluster):
+    """No resources in ray_actor_options: a GPU for CUDA, a CPU for the CPU, and with the device unset a
+    GPU exactly when the cluster has GPUs (this one declares 2)."""
+    def never() -> bool:
+        raise AssertionError("the cluster is asked only when the device is unset")
+
+    assert default_actor_resources("cuda:1", never) == {"num_gpus": 1}
+    assert default_actor_resources("cpu", never) == {"num_cpus": 1}
+    assert default_actor_resources(None, lambda: True) == {"num_gpus": 1}
+    assert default_actor_resources(None, lambda: False) == {"num_cpus": 1}
+    unset = build_app({})._bound_deployment._replica_config.ray_actor_options
+    assert unset["num_gpus"] == 1
+    cpu = build_app({"device": "cpu"})._bound_deployment._replica_config.ray_actor_options
+    assert cpu["num_cpus"] == 1 and not cpu.get("num_gpus")

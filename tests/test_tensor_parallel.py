@@ -6,6 +6,7 @@ preempted by a 40-block cache, a shared prefix hitting the prefix cache).
 """
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -178,6 +179,66 @@ def test_torchrun_launch_serves_rank_0(tiny_checkpoints, tmp_path):
     tokens, tp = result.split(" ", 1)[1].rsplit(" ", 1)
     assert tp == "2" and "RANK 1 returned" in out.stdout
     assert __import__("json").loads(tokens) == _hf_greedy(tiny_checkpoints["llama"], [[5, 6, 7], [9] * 20], 8)
+
+
+_DRAIN_SCRIPT = """
+import fastgen, json, os, signal, sys, time
+pipe = fastgen.pipeline(sys.argv[1], progress=False)
+if pipe.is_rank_0:
+    terminated = []
+    signal.signal(signal.SIGTERM, lambda *_: terminated.append(True))  # what a draining server does
+    print("READY", flush=True)
+    while not terminated:
+        time.sleep(0.05)
+    if sys.argv[2] == "die":
+        os._exit(7)  # rank 0 dies mid-drain
+    # The drain: rank 0 still steps after SIGTERM, which needs rank 1.
+    out = pipe([[5, 6, 7], [9] * 20], do_sample=False, max_new_tokens=8, ignore_eos=True)
+    print("RESULT", json.dumps([r.token_ids for r in out]), flush=True)
+    pipe.destroy()
+else:
+    print("RANK", pipe.rank, "returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("rank_0", ["drains", "dies"])
+def test_torchrun_sigterm_leaves_ranks_above_0_to_rank_0(rank_0, tiny_checkpoints, tmp_path):
+    """torchrun forwards SIGTERM to every rank: rank 1 keeps serving while rank 0 drains (its steps after
+    the signal still run) and leaves when rank 0 shuts the group down; if rank 0 dies instead, rank 1
+    leaves at once, long before torchrun's --shutdown-timeout would SIGKILL it."""
+    script = tmp_path / "run.py"
+    script.write_text(_DRAIN_SCRIPT)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    path = tiny_checkpoints["llama"]
+    proc = subprocess.Popen([torchrun, "--nproc-per-node", "2", "--shutdown-timeout", "120", str(script), path,
+                             "die" if rank_0 == "dies" else "drain"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("READY"):
+                break
+        else:
+            pytest.fail(f"rank 0 never got ready: {proc.wait(10)} {proc.stderr.read()[-3000:]}")
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to both ranks
+        stdout, stderr = proc.communicate(timeout=100)
+        elapsed = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stdout = "".join(lines) + stdout
+    assert elapsed < 60, f"ranks still running {elapsed:.0f} s after SIGTERM: {stderr[-3000:]}"
+    if rank_0 == "drains":
+        result = next((line for line in stdout.splitlines() if line.startswith("RESULT")), None)
+        assert result is not None, stderr[-3000:]
+        assert json.loads(result.split(" ", 1)[1]) == _hf_greedy(path, [[5, 6, 7], [9] * 20], 8)
+        assert "RANK 1 returned" in stdout and "rank 1 got SIGTERM" in stderr
+    else:
+        assert "RESULT" not in stdout and "RANK 1 returned" not in stdout
 
 
 def test_step_inputs_survive_the_broadcast_encoding():

@@ -9,14 +9,18 @@ compilation and capture line up) and never samples: its share of the logits goes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,14 +50,45 @@ def serve_rank(rank: int, world_size: int, device_type: str, env: TorchrunEnv | 
 
 
 def serve_torchrun_rank(env: TorchrunEnv, device_type: str) -> None:
-    """Ranks > 0 of a torchrun launch: join the group, serve rank 0, leave when it stops."""
+    """Ranks > 0 of a torchrun launch: join the group, serve rank 0, leave when it stops.
+
+    SIGTERM does not stop this rank (`_sigterm_deferred`): torchrun forwards it to every rank, and rank 0
+    drains on it, stepping its requests in flight, which needs every rank. This rank leaves when rank 0
+    shuts the group down, or when rank 0 dies (its next collective fails); torchrun's
+    `--shutdown-timeout` SIGKILLs whatever is still running after that many seconds.
+    """
     backend = backend_for(device_type)
     dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
-        serve_rank(env.rank, env.world_size, device_type, env)
+        with _sigterm_deferred(env.rank):
+            serve_rank(env.rank, env.world_size, device_type, env)
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _sigterm_deferred(rank: int) -> Iterator[None]:
+    """While serving, SIGTERM is noted (logged), not acted on; the previous handler is back afterwards.
+
+    Not re-raised at the end either: the rank is leaving by then, which is what SIGTERM asked for. Only
+    the main thread can set a handler; elsewhere (a rank served from a thread) SIGTERM keeps its handler.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        logger.warning("fastgen: tensor-parallel rank %d got SIGTERM; it keeps serving rank 0 until rank 0 "
+                       "shuts the group down (it drains first)", rank)
+
+    previous = signal.signal(signal.SIGTERM, note)
+    # Restart interrupted system calls: the signal must not break a collective this rank is waiting in.
+    signal.siginterrupt(signal.SIGTERM, False)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
