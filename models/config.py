@@ -83,6 +83,10 @@ class ModelConfig:
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; configs with `kv_lora_rank`): the width of
     the one vector cached per token and layer in place of K and V, `kv_lora_rank + qk_rope_head_dim`.
     0: K and V per KV head."""
+    layer_kv_heads: list[tuple[int, int] | None] = field(default_factory=list)
+    """Per layer, for a family whose layers cache differently (Gemma 4; set by its `model_config`):
+    `(KV heads, head_dim)` of the K and V the layer caches, or None for a layer that attends another
+    layer's cache and owns none. Empty: every layer caches `(num_kv_heads, head_dim)`."""
     dtype: torch.dtype | None = None
     """dtype the checkpoint was saved in, None if the config does not say."""
     eos_token_id: list[int] = field(default_factory=list)
@@ -159,10 +163,27 @@ class ModelConfig:
         kv_heads = kv_heads_per_rank(self.num_kv_heads, size)
         return ((kv_heads, self.head_dim), (kv_heads, self.head_dim))
 
+    def layer_kv_cache_shapes(self, tensor_parallel: int | None = None) -> list[tuple[tuple[int, int], ...]]:
+        """Per layer, the `(heads, width)` of each cache tensor one rank allocates for it: `kv_cache_shapes`,
+        or the layer's own from `layer_kv_heads`, `()` for a layer that owns no cache. What the
+        runner allocates and the planner sizes."""
+        if not self.layer_kv_heads:
+            return [self.kv_cache_shapes(tensor_parallel)] * self.num_layers
+        size = self.parallel.size if tensor_parallel is None else tensor_parallel
+        shapes = []
+        for entry in self.layer_kv_heads:
+            if entry is None:
+                shapes.append(())
+                continue
+            heads, width = entry
+            kv_heads = kv_heads_per_rank(heads, size)
+            shapes.append(((kv_heads, width), (kv_heads, width)))
+        return shapes
+
     def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel: int | None = None) -> int:
-        """KV-cache bytes of one token over all layers on one rank, in `dtype` (`kv_cache_shapes`)."""
-        per_layer = sum(heads * width for heads, width in self.kv_cache_shapes(tensor_parallel))
-        return self.num_layers * per_layer * torch.empty((), dtype=dtype).element_size()
+        """KV-cache bytes of one token over all layers on one rank, in `dtype` (`layer_kv_cache_shapes`)."""
+        values = sum(heads * width for layer in self.layer_kv_cache_shapes(tensor_parallel) for heads, width in layer)
+        return values * torch.empty((), dtype=dtype).element_size()
 
 
 # Family-specific names of generic keys (GPT-2, OPT, Falcon). The family's own key wins: it is the

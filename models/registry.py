@@ -10,6 +10,7 @@ from fastgen.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastgen.models.falcon import FalconForCausalLM
 from fastgen.models.gemma import GemmaForCausalLM
 from fastgen.models.gemma3 import Gemma3ForCausalLM
+from fastgen.models.gemma4 import Gemma4ForCausalLM
 from fastgen.models.glm4_moe import Glm4MoeForCausalLM
 from fastgen.models.gpt2 import GPT2LMHeadModel
 from fastgen.models.granite import GraniteForCausalLM
@@ -39,6 +40,7 @@ MODEL_REGISTRY: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "gemma": GemmaForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "gemma4_text": Gemma4ForCausalLM,
     "olmo2": OlmoForCausalLM,
     "granite": GraniteForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,

@@ -110,6 +110,22 @@ TINY_CONFIGS: dict[str, tuple[type, dict]] = {
              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
     ),
+    # Four layers, local/global alternating (window 12), the last two sharing the first two's KV
+    # (num_kv_shared_layers, with double-wide MLPs); global layers with their own head_dim (32 vs 24)
+    # and one KV head whose V is K's projection (attention_k_eq_v), proportional rope on a quarter of
+    # their pairs; per-layer input embeddings (P = 8); the MoE block (top-2 of 8) beside every MLP;
+    # final-logit soft-capping. Untied for the reason gemma2 is.
+    "gemma4_text": (
+        transformers.Gemma4TextConfig,
+        dict(num_hidden_layers=4, head_dim=24, global_head_dim=32, num_global_key_value_heads=1,
+             attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True, sliding_window=12,
+             layer_types=["sliding_attention", "full_attention"] * 2, vocab_size_per_layer_input=VOCAB,
+             hidden_size_per_layer_input=8, enable_moe_block=True, num_experts=8, top_k_experts=2,
+             moe_intermediate_size=32, final_logit_softcapping=8.0, tie_word_embeddings=False,
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                 "rope_theta": 1000000.0}}),
+    ),
     # Post-norms only, q/k RMSNorm over the whole projection (all heads), GQA.
     "olmo2": (transformers.Olmo2Config, dict()),
     # OLMo 2 plus sliding (window 12) and full layers, each with its own rope base.
@@ -181,6 +197,10 @@ _ZERO_INITIALISED = ("e_score_correction_bias",)
 """Checkpoint tensors HF initialises to zero that a random parity model should still exercise
 (the router bias that steers GLM-4.5's expert choice)."""
 
+_ONE_INITIALISED = ("layer_scalar", "router.scale", "router.per_expert_scale")
+"""Checkpoint tensors HF initialises to one (Gemma 4's layer output scale and router scales): drawn
+around one instead, so a model that ignored them would differ."""
+
 
 def build_checkpoint(path: str, model_type: str, seed: int = 0, **overrides) -> str:
     """Save a tiny fp32 checkpoint of `model_type` (weights, config, tokenizer) at `path`."""
@@ -194,6 +214,8 @@ def build_checkpoint(path: str, model_type: str, seed: int = 0, **overrides) -> 
             # HF initialises these to zero, which would leave what they do untested.
             if name.endswith(_ZERO_INITIALISED):
                 tensor.normal_(0.0, 0.5)
+            elif name.endswith(_ONE_INITIALISED):
+                tensor.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     build_tokenizer(VOCAB).save_pretrained(path)
     return path
@@ -252,8 +274,8 @@ class PagedRunner:
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
         self.kv_caches = [tuple(torch.zeros(num_blocks, block_size, heads, width, dtype=dtype)
-                                for heads, width in cfg.kv_cache_shapes())
-                          for _ in range(cfg.num_layers)]
+                                for heads, width in shapes)
+                          for shapes in cfg.layer_kv_cache_shapes()]
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
 
     def add(self, token_ids: list[int]) -> PagedSeq:

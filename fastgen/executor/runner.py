@@ -23,6 +23,7 @@ from fastgen.models.layers import decoder_layers
 from fastgen.models.loader import LoadedModel, load_model
 from fastgen.models.packed import prepack_linears
 from fastgen.models.parallel import SINGLE, TensorParallel
+from fastgen.models.registry import get_model_class
 from fastgen.executor.host_allocator import keep_host_temporaries
 from fastgen.executor.offload import STREAMER_ATTR, install_offload, new_streamer
 from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, StepTensors, pick_bucket
@@ -61,8 +62,10 @@ class RunnerSpec:
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V of all layers for one block, on this tensor-parallel rank."""
-    return block_size * config.kv_bytes_per_token(dtype)
+    """Bytes of K and V of all layers for one block, on this tensor-parallel rank, with the layers'
+    caches as the model's family reads them (Gemma 4's KV-sharing layers own none)."""
+    family_config = get_model_class(config.model_type).model_config(config)
+    return block_size * family_config.kv_bytes_per_token(dtype)
 
 
 def load_for_spec(spec: RunnerSpec, device: torch.device, parallel: TensorParallel = SINGLE,
@@ -112,10 +115,10 @@ class ModelRunner:
         self.buckets = sorted(set(buckets))
         self.compile_mode = compile
         self.cuda_graphs = cuda_graphs
+        # The model's own config: its family decides each layer's cache (none for a layer that reads another's).
         self.kv_caches = [
-            tuple(allocate_kv_cache(num_blocks, block_size, heads, width, dtype, device)
-                  for heads, width in config.kv_cache_shapes())
-            for _ in range(config.num_layers)
+            tuple(allocate_kv_cache(num_blocks, block_size, heads, width, dtype, device) for heads, width in shapes)
+            for shapes in model.config.layer_kv_cache_shapes()
         ]
         self.buffers = None
         if self.buckets:

@@ -124,8 +124,9 @@ def facts_from_config(config: ModelConfig) -> ModelFacts:
         num_experts=moe_blocks[0].experts.num_experts if moe_blocks else 0,
         dtype=config.dtype,
         max_position_embeddings=config.max_position_embeddings,
-        kv_bytes_per_token=config.kv_bytes_per_token(config.dtype or torch.float32, 1),
-        config=config,
+        # The model's own config: its family's reading (per-layer caches, tying defaults) resolved.
+        kv_bytes_per_token=model.config.kv_bytes_per_token(config.dtype or torch.float32, 1),
+        config=model.config,
         quantized_linears=tuple((m.out_features, m.in_features) for m in quantizable_linears(model).values()),
         layer_params=sum(p.numel() for p in decoder_layers(model).parameters()),
     )
