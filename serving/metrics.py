@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
 logger = logging.getLogger("fastgen")
 
@@ -44,6 +44,12 @@ _ENGINE_GAUGES = (
 _VLLM_GAUGES = (
     ("num_running", "vllm:num_requests_running", "Number of requests in model execution batches."),
     ("num_waiting", "vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+)
+# (key in the stats snapshot, vLLM's counter name, help text): speculative decoding, when it is on
+_VLLM_SPEC_COUNTERS = (
+    ("spec_num_drafts", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts (rows verified with drafts)."),
+    ("spec_num_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    ("spec_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
 )
 _FINISH_REASONS = ("stop", "length", "abort")
 
@@ -84,6 +90,17 @@ class _EngineCollector:
                 family = GaugeMetricFamily(name, "KV-cache usage. 1 means 100 percent usage.", labels=["model_name"])
                 family.add_metric(labels, usage)
                 yield family
+        for key, name, doc in _VLLM_SPEC_COUNTERS:
+            if key in stats:
+                family = CounterMetricFamily(name, doc, labels=["model_name"])
+                family.add_metric(labels, float(stats[key]))
+                yield family
+        if "spec_accepted_per_position" in stats:
+            family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for position, count in enumerate(stats["spec_accepted_per_position"]):
+                family.add_metric([labels[0], str(position)], float(count))
+            yield family
         if "num_steps" in stats and "step_seconds_total" in stats:
             yield SummaryMetricFamily("fastgen_engine_step_seconds", "Wall time of engine steps that ran the model.",
                                       count_value=int(stats["num_steps"]), sum_value=float(stats["step_seconds_total"]))

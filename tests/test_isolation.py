@@ -38,10 +38,10 @@ def _poison(engine, monkeypatch):
 
     sample = engine.executor._sample
 
-    def faulty_sample(logits, seqs):
-        if any(s.params.repetition_penalty == POISON_PENALTY for s in seqs):
+    def faulty_sample(logits, chunks):
+        if any(c.seq.params.repetition_penalty == POISON_PENALTY for c in chunks):
             raise RuntimeError("simulated sampler fault on one row")
-        return sample(logits, seqs)
+        return sample(logits, chunks)
 
     monkeypatch.setattr(engine.executor, "_execute", faulty_execute)
     monkeypatch.setattr(engine.executor, "_sample", faulty_sample)

@@ -110,11 +110,3 @@ def test_ngram_prefers_the_longer_match_and_respects_limits():
     assert NgramProposer(5, 2, 3).propose(tokens, max_tokens=1) == [50]
     assert NgramProposer(2, 4, 4).propose(tokens) == []        # no 4-gram recurs
     assert NgramProposer(2, 2, 3).propose([1, 2]) == []
-
-
-def test_the_engine_refuses_speculation_until_it_verifies_drafts():
-    # The plan field parses and shows, but an engine that decoded without speculating would ignore it.
-    import fastgen
-
-    with pytest.raises(NotImplementedError, match="speculative_config .*not implemented in the engine yet"):
-        fastgen.pipeline(DEMO, speculative_config={"method": "ngram", "num_speculative_tokens": 2})

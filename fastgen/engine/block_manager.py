@@ -156,25 +156,29 @@ class BlockManager:
         have = len(seq.blocks) if seq is not None else 0
         return self.blocks_needed(num_tokens) - have <= self.num_free_blocks
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int, namespace: int = 0) -> bool:
-        """Grow the block table of ``seq_id`` to cover ``num_tokens`` slots.
+    def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int, namespace: int = 0,
+                 num_lookahead: int = 0) -> bool:
+        """Grow the block table of ``seq_id`` to cover ``num_tokens + num_lookahead`` slots.
 
         ``token_ids[:num_tokens]`` are the tokens whose KV exists after this step; every block they
-        fill is registered in the prefix cache, in ``namespace`` (which must be the table's). Returns
-        False, changing nothing, when not enough blocks can be had. A sequence unknown so far gets
-        an empty table first; ``num_tokens`` below the current coverage is a no-op.
+        fill is registered in the prefix cache, in ``namespace`` (which must be the table's). The
+        ``num_lookahead`` slots after them hold KV that may be thrown away (speculative decoding's
+        draft tokens): never registered, and rewritten by a later step if rejected. Returns False,
+        changing nothing, when not enough blocks can be had. A sequence unknown so far gets an empty
+        table first; a coverage below the current one is a no-op.
         """
         _check_int("seq_id", seq_id)
         _check_int("num_tokens", num_tokens, 0)
+        _check_int("num_lookahead", num_lookahead, 0)
         if num_tokens > len(token_ids):
             raise ValueError(f"num_tokens {num_tokens} exceeds len(token_ids) {len(token_ids)}")
         known = self._seqs.get(seq_id)
         if known is not None and known.root != _root(namespace):
             raise ValueError(f"seq_id {seq_id} has its blocks in namespace {self.namespace(seq_id)}, not {namespace}")
-        if not self.can_allocate(seq_id, num_tokens):
+        if not self.can_allocate(seq_id, num_tokens + num_lookahead):
             return False
         seq = self._seqs.setdefault(seq_id, _SeqBlocks(root=_root(namespace)))
-        for _ in range(self.blocks_needed(num_tokens) - len(seq.blocks)):
+        for _ in range(self.blocks_needed(num_tokens + num_lookahead) - len(seq.blocks)):
             seq.blocks.append(self._take_block())
         seq.num_tokens = max(seq.num_tokens, num_tokens)
         if self.enable_prefix_caching:

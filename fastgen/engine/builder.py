@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -46,12 +46,10 @@ def plan_engine(config: EngineConfig) -> Plan:
 
 def refuse_unbuilt(plan: Plan) -> None:
     """Raise NotImplementedError for a plan field the engine cannot honour yet, before anything loads."""
-    if plan.speculative_config is not None:
-        # The proposers and the rejection sampler exist, but the scheduler does not schedule draft tokens
-        # nor the executor verification rows: refuse rather than decode without the speculation asked for.
-        raise NotImplementedError(
-            f"speculative_config (method {plan.speculative_config.method!r}) is not implemented in the engine "
-            "yet: the scheduler does not schedule draft tokens; leave speculative_config unset")
+    if plan.speculative_config is not None and plan.cuda_graphs:
+        # Verification rows change how many logits rows a bucket's step has; the graphs are not
+        # captured for that yet: refuse rather than run the speculation slower than asked.
+        raise NotImplementedError("speculative_config with cuda_graphs is not implemented yet: set cuda_graphs=False")
 
 
 @dataclass(slots=True)
@@ -68,6 +66,9 @@ class BuiltRunner:
     """The other ranks' workers when `plan.tensor_parallel` > 1 (the engine owns and stops them)."""
     threads_before: int = 0
     """This process's CPU threads before they were split across ranks (restored when the group stops)."""
+    draft_runner: ModelRunner | None = None
+    """The draft model's runner (its own KV cache, as many tokens as the target's) when the plan's
+    `speculative_config` names one."""
 
 
 def build_runner(config: EngineConfig, plan: Plan) -> BuiltRunner:
@@ -110,12 +111,30 @@ def build_runner(config: EngineConfig, plan: Plan) -> BuiltRunner:
         if tokenizer.eos_token_id is not None and not eos_token_ids:
             eos_token_ids = {tokenizer.eos_token_id}
         runner = ModelRunner(loaded.model, loaded.config, spec, device)
+        draft_runner = _build_draft_runner(plan, spec, device, config.progress)
     except BaseException:
         if group is not None:
             group.shutdown(graceful=False)  # workers may be loading or warming up
             torch.set_num_threads(threads_before)
         raise
-    return BuiltRunner(runner, tokenizer, eos_token_ids, group, threads_before)
+    return BuiltRunner(runner, tokenizer, eos_token_ids, group, threads_before, draft_runner)
+
+
+def _build_draft_runner(plan: Plan, target: RunnerSpec, device: torch.device, progress: bool) -> ModelRunner | None:
+    """The draft model of `plan.speculative_config` (None for n-gram lookup or no speculation): the
+    target's plan with the draft's own quantization, on this rank alone, with a KV cache of as many
+    tokens as the target's, exact shapes (its steps are a few tokens a row)."""
+    speculative = plan.speculative_config
+    if speculative is None or speculative.model is None:
+        return None
+    draft_dir = resolve_model_dir(speculative.model)
+    draft_plan = replace(plan, quantization=speculative.quantization or "none", offload="none", cuda_graphs=False,
+                         tensor_parallel=1, replica_num=1, speculative_config=None)
+    spec = RunnerSpec(draft_plan, model_dir=draft_dir, device_type=device.type, device_index=device.index or 0,
+                      num_blocks=target.num_blocks, max_model_len=target.max_model_len, buckets=(),
+                      num_threads=target.num_threads, progress=progress)
+    loaded = load_for_spec(spec, device, progress=progress)
+    return ModelRunner(loaded.model, loaded.config, spec, device)
 
 
 def _num_kv_blocks(plan: Plan, model_config: ModelConfig, max_len: int) -> int:

@@ -25,10 +25,12 @@ from fastgen.engine.admission import Admission, PreparedRequest
 from fastgen.engine.block_manager import BlockManager
 from fastgen.engine.builder import build_runner, plan_engine, refuse_unbuilt
 from fastgen.engine.detokenizer import TextStream
+from fastgen.engine.draft_proposer import DraftModelProposer
 from fastgen.engine.grammar import StructuredOutputManager
 from fastgen.engine.step.sampling_metadata import make_generator
 from fastgen.engine.scheduler import ScheduledBatch, Scheduler
 from fastgen.engine.sequence import Sequence, SequenceStatus
+from fastgen.engine.speculator import Speculator
 from fastgen.engine.step.inputs import long_rope_namespace
 from fastgen.engine.step.executor import StepExecutor
 from fastgen.engine.step.output import SequenceUpdate, StepOutput
@@ -54,12 +56,13 @@ class Engine:
 
     def __init__(self, plan: Plan, runner: ModelRunner, tokenizer: Any, *, eos_token_ids: Iterable[int] = (),
                  config: EngineConfig | None = None, tp_group: TensorParallelGroup | None = None,
-                 threads_before: int = 0) -> None:
+                 threads_before: int = 0, draft_runner: ModelRunner | None = None) -> None:
         """An engine serving `plan` over a `runner` built for it (see `fastgen.engine.builder`;
         `Engine.from_config` builds both from an `EngineConfig`). `plan` sets the scheduler's token
         budget and seats, `runner.spec` the KV blocks and context; `config` the remaining options
         (prefix caching, seed). The engine owns `tp_group` and stops it at `shutdown` (or when
-        collected), giving this process back `threads_before` CPU threads."""
+        collected), giving this process back `threads_before` CPU threads. `draft_runner` is the draft
+        model of the plan's `speculative_config`, when it names one."""
         if runner.spec.plan != plan:
             raise ValueError("the runner was built for another plan (its spec.plan): build it with "
                              "fastgen.engine.builder.build_runner(config, plan)")
@@ -80,12 +83,13 @@ class Engine:
         self.long_rope = long_rope_switch(runner.model)
         namespace = None if self.long_rope is None else functools.partial(long_rope_namespace, self.long_rope)
         self.stop_rules = StopRules(eos_token_ids, self.max_model_len)
+        self.speculator = self._speculator(plan, draft_runner)
         self.scheduler = Scheduler(self.block_manager, plan.token_budget, plan.max_seqs, namespace,
-                                   plan.context_per_budget_token, self.stop_rules)
+                                   plan.context_per_budget_token, self.stop_rules, self.speculator)
         self.structured_outputs = StructuredOutputManager(plan.structured_outputs_backend, tokenizer,
                                                           self.vocab_size, self.stop_rules)
         self.executor = StepExecutor(runner, self.block_manager, self.stop_rules, self.long_rope, tp_group,
-                                     self.structured_outputs)
+                                     self.structured_outputs, self.speculator)
         self.admission = Admission(tokenizer, self.vocab_size, self.max_model_len, self.structured_outputs)
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
@@ -105,7 +109,22 @@ class Engine:
         plan = plan_engine(config)
         built = build_runner(config, plan)
         return cls(plan, built.runner, built.tokenizer, eos_token_ids=built.eos_token_ids, config=config,
-                   tp_group=built.tp_group, threads_before=built.threads_before)
+                   tp_group=built.tp_group, threads_before=built.threads_before, draft_runner=built.draft_runner)
+
+    def _speculator(self, plan: Plan, draft_runner: ModelRunner | None) -> Speculator | None:
+        """The plan's speculative decoding (None: off), over `draft_runner` for a draft model."""
+        speculative = plan.speculative_config
+        if speculative is None:
+            return None
+        if self.long_rope is not None:
+            raise NotImplementedError("speculative_config with a LongRoPE model (Phi-3 long context) is not "
+                                      "implemented yet: drafts may cross original_max_position_embeddings")
+        if (speculative.model is None) != (draft_runner is None):
+            raise ValueError("speculative_config and draft_runner disagree: build the runner with "
+                             "fastgen.engine.builder.build_runner(config, plan)")
+        draft = None if draft_runner is None else DraftModelProposer(
+            draft_runner, draft_runner.spec.num_blocks, plan.block_size, speculative.num_speculative_tokens)
+        return Speculator(speculative, self.stop_rules, draft)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -210,15 +229,22 @@ class Engine:
             output.fail(request_id, "compiling its structured-output grammar", error)
         return [self._delta(update) for update in self.scheduler.update(ScheduledBatch(), output)]
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | list[int]]:
         """A snapshot for metrics: requests, waiting/running sequences, KV blocks, prefix-cache hit rate,
-        steps that ran the model and their total seconds.
+        steps that ran the model and their total seconds; with speculative decoding its counters
+        (`SpecDecodeStats`: rows verified with drafts, draft and accepted tokens, accepted per position).
 
         Safe to call from another thread while the engine steps (it only reads counters); the numbers
         may then be a step apart from each other.
         """
         blocks = self.block_manager
-        return {
+        spec = {} if self.speculator is None else {
+            "spec_num_drafts": self.speculator.stats.num_drafts,
+            "spec_num_draft_tokens": self.speculator.stats.num_draft_tokens,
+            "spec_num_accepted_tokens": self.speculator.stats.num_accepted_tokens,
+            "spec_accepted_per_position": list(self.speculator.stats.accepted_per_position),
+        }
+        return spec | {
             "num_requests": len(self.requests),
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),

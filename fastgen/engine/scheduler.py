@@ -17,6 +17,10 @@ one token each: their attention is there whether or not a prompt is chunked besi
 charging it could leave a prompt no budget at all. A chunk gets at least one token while any
 budget is left, so a prompt always progresses.
 
+With speculative decoding (a `Speculator`) a decode row also computes its draft tokens, charged one
+budget token each beside its own, their KV in lookahead slots (see `speculator.py`); a row whose
+drafts' slots cannot be had decodes without them rather than preempt anyone.
+
 When the KV cache is full, the newest running sequence is preempted: its blocks are freed and
 it goes back to the waiting queue, ahead of every newer request, to be recomputed later (its generated tokens are
 kept, so its output does not change). New requests are never admitted by preempting others,
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 
 from fastgen.engine.block_manager import BlockManager
 from fastgen.engine.sequence import Sequence, SequenceStatus
+from fastgen.engine.speculator import Speculator
 from fastgen.engine.step.inputs import prompt_logit_positions
 from fastgen.engine.step.output import SequenceUpdate, StepOutput, TokenLogprobs
 from fastgen.engine.stop_rules import StopRules
@@ -61,6 +66,9 @@ class ScheduledChunk:
     """Whether this chunk samples: after it every token of `seq` has KV, so the logits of its last
     row choose the next token(s). The one place this rule is decided; inputs, executor and `update`
     all read it."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding's drafts for a decode row, computed after its pending token (their KV in
+    lookahead slots) and verified from the k + 1 logits rows; empty for every other chunk."""
 
 
 @dataclass(slots=True)
@@ -76,8 +84,8 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens computed by this step."""
-        return sum(c.num_new_tokens for c in self.chunks)
+        """Tokens computed by this step (drafts included)."""
+        return sum(c.num_new_tokens + len(c.draft_token_ids) for c in self.chunks)
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -88,8 +96,9 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, token_budget: int, max_seqs: int,
                  kv_namespace: Callable[[Sequence], int] | None = None, context_per_budget_token: int = 0,
-                 stop_rules: StopRules | None = None) -> None:
+                 stop_rules: StopRules | None = None, speculator: Speculator | None = None) -> None:
         """`stop_rules`: when sequences finish (default: by their own `SamplingParams` only).
+        `speculator`: proposes draft tokens for decode rows (None: no speculative decoding).
         `kv_namespace(seq)`: the prefix-cache namespace a sequence's KV is computed in now (None:
         always 0; see `BlockManager.match_prefix`). `context_per_budget_token`: the attention charge
         of prompt chunks (the module's docstring; 0 = chunks spend their tokens only)."""
@@ -113,6 +122,7 @@ class Scheduler:
         self.stop_rules = stop_rules or StopRules()
         self.kv_namespace = kv_namespace
         self.context_per_budget_token = context_per_budget_token
+        self.speculator = speculator
 
     def add_request(self, seqs: list[Sequence]) -> None:
         """Queue a request's choices (one `Sequence` each, same request id and prompt): the first by
@@ -148,15 +158,20 @@ class Scheduler:
         # Decodes before chunks; among each, most urgent (priority, then oldest) first, so the least
         # urgent is the one preempted.
         running = sorted(self.running, key=lambda s: (s.num_pending_tokens > 1, _order(s)))
+        drafts = self._propose(running)
         for seq in running:
             if self._left(batch) <= 0 or len(batch.chunks) == self.max_seqs:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self.fit(seq, self._left(batch))
-            if not self._allocate_or_preempt(seq, num_new, scheduled, batch):
+            draft = drafts.get(seq.seq_id, [])[:self._left(batch) - num_new]
+            if draft and not self.block_manager.allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new,
+                                                         self._namespace(seq), num_lookahead=len(draft)):
+                draft = []  # no room for its drafts: it decodes plainly (and may preempt, as any row)
+            if not draft and not self._allocate_or_preempt(seq, num_new, scheduled, batch):
                 continue
-            self._add(batch, seq, num_new)
+            self._add(batch, seq, num_new, draft)
             scheduled.add(seq.seq_id)
         if not batch.preempted:
             self._admit_waiting(batch)
@@ -182,9 +197,17 @@ class Scheduler:
     def _left(self, batch: ScheduledBatch) -> int:
         return self.token_budget - batch.budget_spent
 
-    def _add(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
-        batch.budget_spent += self.charge(seq, num_new)
-        batch.chunks.append(ScheduledChunk(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens))
+    def _propose(self, running: list[Sequence]) -> dict[int, list[int]]:
+        """The speculator's drafts for the decode rows among `running` (by `seq_id`)."""
+        if self.speculator is None:
+            return {}
+        self.speculator.release({seq.seq_id for seq in running})
+        return self.speculator.propose([seq for seq in running if seq.num_pending_tokens == 1])
+
+    def _add(self, batch: ScheduledBatch, seq: Sequence, num_new: int, draft: list[int] | None = None) -> None:
+        draft = draft or []
+        batch.budget_spent += self.charge(seq, num_new) + len(draft)
+        batch.chunks.append(ScheduledChunk(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens, draft))
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
         """Get KV blocks for `seq`, preempting the newest unscheduled running sequences if needed.
@@ -274,6 +297,10 @@ class Scheduler:
             tokens = output.sampled_token_ids[seq.seq_id]  # a sampling row without tokens is the engine's bug
             try:
                 updates.append(self._append(seq, tokens, output.logprobs.get(seq.seq_id)))
+                if chunk.draft_token_ids and not seq.is_finished:
+                    # Verification emits the accepted drafts, then one more token: the accepted
+                    # drafts' KV was written by this step, so every token but the last has KV.
+                    seq.num_computed_tokens = seq.num_tokens - 1
             except Exception as exc:  # a detokenizer fault: only this request ends
                 error = output.fail(seq.request_id, "detokenizing", exc)
                 logger.error("%s", error, exc_info=exc)

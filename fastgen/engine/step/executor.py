@@ -16,7 +16,9 @@ import torch
 
 from fastgen.engine.block_manager import BlockManager
 from fastgen.engine.grammar import StructuredOutputManager
-from fastgen.engine.step.row_sampling import sample_rows, score_prompt_tokens
+from fastgen.engine.rejection_sampler import RejectionSampler
+from fastgen.engine.speculator import Speculator
+from fastgen.engine.step.row_sampling import sample_rows, score_prompt_tokens, verify_rows
 from fastgen.engine.step.sampler import Sampler
 from fastgen.engine.scheduler import ScheduledBatch, ScheduledChunk
 from fastgen.engine.sequence import Sequence
@@ -35,10 +37,12 @@ class StepExecutor:
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, stop_rules: StopRules,
                  long_rope: LongRopeSwitch | None = None, tp_group: TensorParallelGroup | None = None,
-                 structured_outputs: StructuredOutputManager | None = None) -> None:
+                 structured_outputs: StructuredOutputManager | None = None,
+                 speculator: Speculator | None = None) -> None:
         """`stop_rules` say which tokens a row may not sample yet; `long_rope` is the model's LongRoPE
         switch; `tp_group` runs each step on every rank (None: this process alone);
-        `structured_outputs` fills the grammar bitmask of constrained rows (None: no row is)."""
+        `structured_outputs` fills the grammar bitmask of constrained rows (None: no row is);
+        `speculator` counts what verification of draft tokens accepts (None: no row has drafts)."""
         self.structured_outputs = structured_outputs
         self.runner = runner
         self.block_manager = block_manager
@@ -46,13 +50,15 @@ class StepExecutor:
         self.long_rope = long_rope
         self.tp_group = tp_group
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.speculator = speculator
         self.vocab_size = runner.config.vocab_size
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run the model over `batch`, score its prompt-logprob rows and sample its sampling rows."""
         output = StepOutput()
         chunks, logits = self._forward(batch.chunks, output)
-        sampling: list[Sequence] = []
+        sampling: list[ScheduledChunk] = []
         sample_rows_at: list[int] = []
         owners: list[tuple[Sequence, int]] = []
         owner_rows: list[int] = []
@@ -63,9 +69,9 @@ class StepExecutor:
                 owner_rows.append(row)
                 row += 1
             if chunk.samples:
-                sampling.append(chunk.seq)
-                sample_rows_at.append(row)
-                row += 1
+                sampling.append(chunk)
+                sample_rows_at.extend(range(row, row + 1 + len(chunk.draft_token_ids)))
+                row += 1 + len(chunk.draft_token_ids)
         if owners:
             entries = score_prompt_tokens(logits[torch.tensor(owner_rows, device=logits.device)], owners)
             for (seq, _), entry in zip(owners, entries):
@@ -114,42 +120,57 @@ class StepExecutor:
         logits = torch.cat(logits_rows) if logits_rows else torch.empty(0, self.vocab_size, device=self.runner.device)
         return [chunk for chunk, _ in ran], logits
 
-    def _sample_isolated(self, logits: torch.Tensor, seqs: list[Sequence], output: StepOutput) -> None:
-        """`_sample` for the batch into `output`; if it fails, row by row, failing only the rows'
-        requests that fail."""
+    def _sample_isolated(self, logits: torch.Tensor, chunks: list[ScheduledChunk], output: StepOutput) -> None:
+        """`_sample` for the sampling chunks into `output`; if it fails, chunk by chunk, failing only
+        the requests whose rows fail. Chunk i owns 1 + its drafts consecutive rows of `logits`."""
         try:
-            self._record(output, seqs, *self._sample(logits, seqs))
+            self._record(output, chunks, *self._sample(logits, chunks))
             return
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
-            if len(seqs) == 1:
-                self._fail(output, seqs[0], "sampling", exc)
+            if len(chunks) == 1:
+                self._fail(output, chunks[0].seq, "sampling", exc)
                 return
             logger.warning("sampling %d rows failed (%s: %s); sampling them one by one",
-                           len(seqs), type(exc).__name__, exc)
-        for row, seq in enumerate(seqs):
-            if seq.request_id in output.failed:
+                           len(chunks), type(exc).__name__, exc)
+        row = 0
+        for chunk in chunks:
+            rows = logits[row:row + 1 + len(chunk.draft_token_ids)]
+            row += rows.shape[0]
+            if chunk.seq.request_id in output.failed:
                 continue
-            result = self._isolated(output, seq, "sampling", self._sample, logits[row:row + 1], [seq])
+            result = self._isolated(output, chunk.seq, "sampling", self._sample, rows, [chunk])
             if result is not None:
-                self._record(output, [seq], *result)
-        for seq in seqs:  # a request with several rows may have failed after an earlier one sampled
-            if seq.request_id in output.failed:
-                output.sampled_token_ids.pop(seq.seq_id, None)
-                output.logprobs.pop(seq.seq_id, None)
+                self._record(output, [chunk], *result)
+        for chunk in chunks:  # a request with several rows may have failed after an earlier one sampled
+            if chunk.seq.request_id in output.failed:
+                output.sampled_token_ids.pop(chunk.seq.seq_id, None)
+                output.logprobs.pop(chunk.seq.seq_id, None)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Next token per sequence (one host sync), and per-row logprob dicts when asked."""
-        return sample_rows(self.sampler, logits, seqs, self.vocab_size, self.stop_rules, self.structured_outputs)
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
+                ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """The tokens of each sampling chunk (one host sync; several for a verification row) and
+        their logprob dicts when asked."""
+        seqs = [chunk.seq for chunk in chunks]
+        drafts = [chunk.draft_token_ids for chunk in chunks]
+        if not any(drafts):
+            tokens, logprobs = sample_rows(self.sampler, logits, seqs, self.vocab_size, self.stop_rules,
+                                           self.structured_outputs)
+            return [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs]
+        tokens, logprobs = verify_rows(self.rejection_sampler, logits, seqs, drafts, self.vocab_size,
+                                       self.stop_rules, self.structured_outputs)
+        for draft, emitted in zip(drafts, tokens):
+            self.speculator.stats.record(len(draft), len(emitted) - 1)
+        return tokens, logprobs
 
     @staticmethod
-    def _record(output: StepOutput, seqs: list[Sequence], tokens: list[int],
-                logprobs: list[TokenLogprobs | None]) -> None:
-        for seq, token, row_logprobs in zip(seqs, tokens, logprobs):
-            output.sampled_token_ids[seq.seq_id] = [token]
+    def _record(output: StepOutput, chunks: list[ScheduledChunk], tokens: list[list[int]],
+                logprobs: list[list[TokenLogprobs] | None]) -> None:
+        for chunk, row_tokens, row_logprobs in zip(chunks, tokens, logprobs):
+            output.sampled_token_ids[chunk.seq.seq_id] = row_tokens
             if row_logprobs is not None:
-                output.logprobs[seq.seq_id] = [row_logprobs]
+                output.logprobs[chunk.seq.seq_id] = row_logprobs
 
     def _isolated(self, output: StepOutput, seq: Sequence, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)`; an error fails `seq`'s request in `output` (None is returned) instead of the step."""

@@ -39,25 +39,27 @@ def build_host_inputs(chunks: list[ScheduledChunk], block_manager: BlockManager,
     """Flatten scheduled chunks into `HostStepInputs`; `long_rope` is the model's LongRoPE switch
     (None: no token takes long factors beyond what its position implies).
 
-    Each chunk's logits rows, in order: its `prompt_logit_positions`, then its last token when it
-    `samples`."""
+    Each chunk's logits rows, in order: its `prompt_logit_positions`, then, when it `samples`, its
+    last token and each of its draft tokens (a verification row: k + 1 rows)."""
     bs = block_manager.block_size
     out = HostStepInputs.empty()
     for chunk in chunks:
-        seq, num_new = chunk.seq, chunk.num_new_tokens
+        seq, num_new, draft = chunk.seq, chunk.num_new_tokens, chunk.draft_token_ids
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        stop = end + len(draft)
         first_row = out.query_start_loc[-1]
         out.logits_indices.extend(first_row + p - start for p in prompt_logit_positions(seq, num_new))
         table = block_manager.block_table(seq.seq_id)
         out.input_ids.extend(seq.token_ids[start:end])
-        out.positions.extend(range(start, end))
-        out.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        out.input_ids.extend(draft)
+        out.positions.extend(range(start, stop))
+        out.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, stop))
         # Positions >= original_max take the long factors by position; the flag covers the ones below.
         long = long_rope is not None and long_rope.sequence_is_long(seq.num_prompt_tokens, seq.num_tokens)
-        out.long_rope.extend([long] * num_new)
-        out.seq_lens.append(end)
-        out.query_start_loc.append(out.query_start_loc[-1] + num_new)
+        out.long_rope.extend([long] * (stop - start))
+        out.seq_lens.append(stop)
+        out.query_start_loc.append(out.query_start_loc[-1] + stop - start)
         out.block_tables.append(table)
         if chunk.samples:
-            out.logits_indices.append(out.query_start_loc[-1] - 1)
+            out.logits_indices.extend(range(out.query_start_loc[-1] - 1 - len(draft), out.query_start_loc[-1]))
     return out

@@ -1,11 +1,13 @@
 """The glue between sequences and the `Sampler`: one step's sampling rows in, token ids and
-logprob dicts out (one host sync); and the scores of the prompt tokens a request asked logprobs for."""
+logprob dicts out (one host sync); the same for verification rows of speculative decoding (through
+the `RejectionSampler`); and the scores of the prompt tokens a request asked logprobs for."""
 
 from __future__ import annotations
 
 import torch
 
 from fastgen.engine.grammar import StructuredOutputManager
+from fastgen.engine.rejection_sampler import RejectionSampler
 from fastgen.engine.step.sampler import Sampler
 from fastgen.engine.step.sampling_metadata import SamplingMetadata
 from fastgen.engine.sequence import Sequence
@@ -31,11 +33,42 @@ def sample_rows(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], vo
     if out.logprobs is None:
         return tokens, [None] * len(tokens)
     lp, ids = out.logprobs.tolist(), out.logprob_token_ids.tolist()
-    rows: list[TokenLogprobs | None] = []
-    for seq, lp_row, id_row in zip(seqs, lp, ids):
-        n = seq.params.logprobs
-        rows.append(None if n is None else dict(zip(id_row[: 1 + n], lp_row[: 1 + n])))
-    return tokens, rows
+    return tokens, [_logprob_dict(seq, lp_row, id_row) for seq, lp_row, id_row in zip(seqs, lp, ids)]
+
+
+def verify_rows(rejection_sampler: RejectionSampler, logits: torch.Tensor, seqs: list[Sequence],
+                drafts: list[list[int]], vocab_size: int, stop_rules: StopRules,
+                structured_outputs: StructuredOutputManager | None = None,
+                ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+    """The tokens each verification row emits (its accepted drafts, then the bonus or corrected
+    token) and per emitted token its logprob dict when asked. Row i of `seqs` owns `len(drafts[i]) + 1`
+    consecutive rows of `logits`, each processed as plain sampling would at that position (penalties
+    count the drafts before it). Rows without drafts sample as `sample_rows` would; only they may be
+    constrained (a grammar, banned tokens: the `Speculator` drafts for no such row)."""
+    positions = [seq for seq, draft in zip(seqs, drafts) for _ in range(len(draft) + 1)]
+    histories = [seq.output_token_ids + draft[:j] for seq, draft in zip(seqs, drafts) for j in range(len(draft) + 1)]
+    banned = [stop_rules.banned_tokens(seq) if not draft else [] for seq, draft in zip(seqs, drafts)
+              for _ in range(len(draft) + 1)]
+    bitmask, grammar_rows = (None, []) if structured_outputs is None else structured_outputs.fill_bitmask(positions)
+    md = SamplingMetadata.build(
+        [s.params for s in positions], [s.prompt_token_ids for s in positions], histories,
+        [s.generator for s in positions], vocab_size, logits.device, banned if any(banned) else None,
+        grammar_bitmask=bitmask, grammar_rows=grammar_rows,
+    )
+    verified = rejection_sampler(logits, md, drafts, [seq.generator for seq in seqs])
+    if verified.logprobs is None:
+        return verified.token_ids, [None] * len(seqs)
+    rows: list[list[TokenLogprobs] | None] = []
+    for seq, lp_rows, id_rows in zip(seqs, verified.logprobs, verified.logprob_token_ids):
+        rows.append(None if seq.params.logprobs is None else
+                    [_logprob_dict(seq, lp, ids) for lp, ids in zip(lp_rows, id_rows)])
+    return verified.token_ids, rows
+
+
+def _logprob_dict(seq: Sequence, lp_row: list[float], id_row: list[int]) -> TokenLogprobs | None:
+    """{token: logprob} of the chosen token and the top-N `seq` asked for (None when it asked none)."""
+    n = seq.params.logprobs
+    return None if n is None else dict(zip(id_row[: 1 + n], lp_row[: 1 + n]))
 
 
 def score_prompt_tokens(logits: torch.Tensor, owners: list[tuple[Sequence, int]]) -> list[TokenLogprobs]:

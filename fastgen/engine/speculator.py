@@ -1,0 +1,109 @@
+"""Speculative decoding in the engine: which rows draft, their drafts, and what verification accepted.
+
+A step's decode rows ask the `Speculator` for drafts before the scheduler places them
+(`Scheduler.schedule`), so a row's k drafts are charged to the token budget with its own decode
+token and their KV slots are reserved beside it (lookahead slots, never registered in the prefix
+cache). The row then computes its last token and the k drafts in one pass; the executor verifies
+the k + 1 logits rows with the rejection sampler (`row_sampling.verify_rows`) and `Scheduler.update`
+appends what was accepted, plus the bonus or corrected token, under the stop rules. Rejected drafts'
+slots stay the sequence's and are rewritten by a later step.
+
+Which rows draft: decode rows (one token pending) while the step has at most
+`disable_by_batch_size` of them (the plan's measure of where verification stops paying), whose next
+tokens no rule constrains: a row under a structured-output grammar, below its `min_new_tokens` or
+with `bad_words` decodes without drafts, its tokens exactly what plain decoding gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastgen.engine.draft_proposer import DraftModelProposer
+from fastgen.engine.ngram_proposer import NgramProposer
+from fastgen.engine.sequence import Sequence
+from fastgen.engine.stop_rules import StopRules
+from fastgen.planning.speculative import SpeculativeConfig
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Counters of verification since start-up (vLLM's `vllm:spec_decode_*` metrics read them)."""
+
+    num_drafts: int = 0
+    """Rows verified with at least one draft token."""
+    num_draft_tokens: int = 0
+    """Draft tokens verified."""
+    num_accepted_tokens: int = 0
+    """Draft tokens accepted."""
+    accepted_per_position: list[int] = field(default_factory=list)
+    """Per draft position j (0-based), how many rows accepted their j-th draft."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over verified draft tokens (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One verified row: `num_drafts` drafted, the first `num_accepted` of them accepted."""
+        if num_drafts == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position.extend([0] * (num_drafts - len(self.accepted_per_position)))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
+class Speculator:
+    """Proposes draft tokens for a step's decode rows (n-gram lookup or a draft model) and counts
+    what verification accepted."""
+
+    def __init__(self, config: SpeculativeConfig, stop_rules: StopRules,
+                 draft_model: DraftModelProposer | None = None) -> None:
+        """`config` is the plan's (its `disable_by_batch_size` set); `draft_model` proposes for
+        method "draft_model" (required then, refused otherwise)."""
+        if (config.method == "draft_model") != (draft_model is not None):
+            raise ValueError(f"speculative method {config.method!r} "
+                             f"{'needs' if draft_model is None else 'takes no'} draft model")
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.stop_rules = stop_rules
+        self.draft_model = draft_model
+        self.ngram = None if draft_model is not None else NgramProposer(
+            self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpecDecodeStats()
+
+    def limit(self, seq: Sequence) -> int:
+        """How many drafts `seq` may verify next step: k, fewer near its length limits (the bonus
+        token must still fit), 0 when a rule constrains its next tokens (see the module)."""
+        params = seq.params
+        if (seq.grammar is not None or seq.bad_words_ids or len(seq.output_token_ids) < params.min_new_tokens
+                or seq.num_pending_tokens != 1):
+            return 0
+        limit = self.k
+        max_len = self.stop_rules.max_length(seq)
+        if max_len is not None:
+            limit = min(limit, max_len - seq.num_tokens - 1)
+        if params.max_new_tokens is not None:
+            limit = min(limit, params.max_new_tokens - len(seq.output_token_ids) - 1)
+        return max(limit, 0)
+
+    def propose(self, decode_rows: list[Sequence]) -> dict[int, list[int]]:
+        """Drafts per `seq_id` for this step's decode rows (those without drafts left out); none at
+        all when there are more rows than `disable_by_batch_size`."""
+        disable = self.config.disable_by_batch_size
+        if not decode_rows or (disable is not None and len(decode_rows) > disable):
+            return {}
+        limits = [self.limit(seq) for seq in decode_rows]
+        if self.draft_model is not None:
+            drafts = self.draft_model.propose(decode_rows, limits)
+        else:
+            drafts = [self.ngram.propose(seq.token_ids, limit) if limit else [] for seq, limit in zip(decode_rows, limits)]
+        return {seq.seq_id: draft for seq, draft in zip(decode_rows, drafts) if draft}
+
+    def release(self, keep: set[int]) -> None:
+        """Forget the draft model's KV of every sequence not in `keep` (not running any more)."""
+        if self.draft_model is not None:
+            self.draft_model.release(keep)

@@ -1,0 +1,170 @@
+"""Speculative decoding through the whole engine: drafts scheduled inside the token budget, verified
+by the rejection sampler, accepted tokens appended by `Scheduler.update`.
+
+Greedy output with each method equals Hugging Face's greedy tokens (mixed batch, prompts chunked
+over several steps, preemption, prefix-cache hits); the target as its own draft model accepts every
+draft; seeded sampling repeats itself; stop strings, logprobs, `n`, penalties and `min_new_tokens`
+behave as without speculation; counters reach `/metrics` under vLLM's names.
+"""
+
+import pydoc_data.topics
+import pytest
+import torch
+
+import fastgen
+from fastgen import EngineConfig, SamplingParams
+from fastgen.engine import Engine
+from fastgen.engine.builder import refuse_unbuilt
+from fastgen.engine.speculator import SpecDecodeStats
+from fastgen.serving.metrics import ServingMetrics
+
+NUM_NEW = 24
+FAMILIES = ["llama", "qwen2", "gemma2", "mixtral"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": 64}
+
+
+def _self_draft(path: str) -> dict:
+    return {"model": path, "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    text = " ".join(pydoc_data.topics.topics[k] for k in ("if", "while"))
+    ids = tokenizer.encode(text)
+    prompts = [ids[i * 7: i * 7 + n] for i, n in enumerate([1, 3, 6, 11, 19, 30, 41, 9])]
+    # A prompt that repeats itself: n-gram lookup finds drafts in it from the first decode step.
+    prompts.append(ids[:12] * 3)
+    shared = ids[200:216]
+    prompts += [shared + ids[300 + 5 * i: 302 + 5 * i] for i in range(3)]
+    return prompts
+
+
+def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
+    seqs = [engine.sequences(engine.add_request(p, params))[0] for p in prompts]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        assert steps < 3000
+    return seqs
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_greedy_with_speculation_equals_hf(model_type, method, tiny_checkpoints, hf_reference):
+    path = tiny_checkpoints[model_type]
+    speculative = NGRAM if method == "ngram" else _self_draft(path)
+    engine = Engine.from_config(EngineConfig(model=path, num_kv_blocks=28, block_size=4, token_budget=16, max_seqs=6,
+                                             progress=False, speculative_config=speculative))
+    engine.eos_token_ids = set()
+    prompts = _prompts(engine.tokenizer)
+    seqs = _run(engine, prompts, SamplingParams(do_sample=False, max_new_tokens=NUM_NEW, logprobs=1))
+    assert sum(s.num_preemptions for s in seqs) > 0, "the KV cache was meant to force preemption"
+    assert sum(s.num_cached_prompt_tokens for s in seqs[-3:]) > 0, "the shared prefix was meant to hit the cache"
+    assert engine.block_manager.num_free_blocks == 28
+    stats = engine.speculator.stats
+    assert stats.num_draft_tokens > 0
+    if method == "draft_model":  # the target drafting for itself: every greedy draft is its own choice
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    for seq, (expected, hf_logprobs) in zip(seqs, hf_reference(path, prompts, NUM_NEW)):
+        assert seq.output_token_ids == expected
+        assert len(seq.logprobs) == NUM_NEW
+        ours = torch.tensor([lp[tok] for lp, tok in zip(seq.logprobs, expected)])
+        theirs = hf_logprobs[torch.arange(NUM_NEW), torch.tensor(expected)]
+        torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def pipes(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    plain = fastgen.pipeline(path, progress=False, token_budget=32)
+    drafted = fastgen.pipeline(path, progress=False, token_budget=32, speculative_config=_self_draft(path))
+    for pipe in (plain, drafted):
+        pipe.engine.eos_token_ids = set()
+    yield plain, drafted
+    plain.destroy()
+    drafted.destroy()
+
+
+def test_seeded_sampling_repeats_itself_and_accepts_drafts(pipes):
+    _, drafted = pipes
+    before = drafted.engine.speculator.stats.num_accepted_tokens
+    gen = dict(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=11, logprobs=2)
+    first = drafted([[5, 6, 7], [9, 3]], **gen)
+    again = drafted([[5, 6, 7], [9, 3]], **gen)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    assert all(len(r.token_ids) == 20 and len(r.logprobs) == 20 for r in first)
+    assert drafted.engine.speculator.stats.num_accepted_tokens > before
+
+
+def test_rules_on_later_tokens_hold_with_several_accepted_per_step(pipes):
+    plain, drafted = pipes
+    for gen in (dict(max_new_tokens=17, repetition_penalty=1.3, presence_penalty=0.5),
+                dict(max_new_tokens=9, min_new_tokens=6, stop_token_ids=[0, 1, 2, 3]),
+                dict(max_new_tokens=12, n=3, temperature=0.0)):
+        want = plain([[5, 6, 7], [8, 8, 8, 8]], do_sample=False, **gen)
+        got = drafted([[5, 6, 7], [8, 8, 8, 8]], do_sample=False, **gen)
+        assert [(r.token_ids, r.finish_reason) for r in got] == [(r.token_ids, r.finish_reason) for r in want], gen
+    # A stop string crossed in the middle of a step's accepted tokens ends the text before it.
+    text = plain([[5, 6, 7]], do_sample=False, max_new_tokens=20)[0].generated_text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    want = plain([[5, 6, 7]], do_sample=False, max_new_tokens=20, stop=[stop])[0]
+    got = drafted([[5, 6, 7]], do_sample=False, max_new_tokens=20, stop=[stop])[0]
+    assert (got.generated_text, got.finish_reason) == (want.generated_text, "stop")
+    streamed = "".join(d.generated_text for d in drafted.stream([[5, 6, 7]], do_sample=False, max_new_tokens=20))
+    assert streamed == text
+
+
+def test_rows_under_a_rule_on_their_next_token_get_no_drafts(pipes):
+    _, drafted = pipes
+    speculator = drafted.engine.speculator
+    engine = drafted.engine
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, min_new_tokens=3))
+    seq = engine.sequences(rid)[0]
+    engine.step()  # the prompt: now a decode row
+    assert seq.num_pending_tokens == 1 and speculator.limit(seq) == 0  # EOS is banned for 2 more tokens
+    engine.abort(rid)
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=3))
+    seq = engine.sequences(rid)[0]
+    engine.step()
+    assert speculator.limit(seq) == 1  # two tokens left: one draft plus the bonus token
+    engine.abort(rid)
+
+
+def test_disable_by_batch_size_turns_speculation_off_for_busy_steps(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    pipe = fastgen.pipeline(path, progress=False, token_budget=64,
+                            speculative_config={**_self_draft(path), "disable_by_batch_size": 2})
+    try:
+        pipe([[5, 6, 7]] * 3, do_sample=False, max_new_tokens=6)  # 3 decode rows: never drafted
+        assert pipe.engine.speculator.stats.num_drafts == 0
+        pipe([[5, 6, 7]] * 2, do_sample=False, max_new_tokens=6)
+        assert pipe.engine.speculator.stats.num_drafts > 0
+    finally:
+        pipe.destroy()
+
+
+def test_speculation_with_cuda_graphs_is_refused_before_loading(tiny_checkpoints):
+    from fastgen.engine.builder import plan_engine
+
+    plan = plan_engine(EngineConfig(model=tiny_checkpoints["llama"], speculative_config=NGRAM))
+    import dataclasses
+
+    with pytest.raises(NotImplementedError, match="cuda_graphs"):
+        refuse_unbuilt(dataclasses.replace(plan, cuda_graphs=True))
+
+
+def test_counters_reach_metrics_under_vllm_names():
+    stats = SpecDecodeStats()
+    stats.record(3, 2)
+    stats.record(2, 0)
+    stats.record(0, 0)  # a row without drafts is no draft
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
+    assert stats.accepted_per_position == [1, 1, 0] and stats.acceptance_rate == pytest.approx(0.4)
+    snapshot = {"spec_num_drafts": 2, "spec_num_draft_tokens": 5, "spec_num_accepted_tokens": 2,
+                "spec_accepted_per_position": [1, 1, 0]}
+    text = ServingMetrics(lambda: snapshot, model_name="m").render()[0].decode()
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 2.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 5.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 2.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text
