@@ -62,8 +62,6 @@ def test_engine_keyword_and_plan_field(capsys):
     with pytest.raises(SystemExit):  # argparse refuses the flag's value
         planning_main([DEMO, "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 1}'])
     assert "not implemented yet" in capsys.readouterr().err
-    assert planning_main([DEMO, "--speculative-config", spec, "--tensor-parallel", "2"]) == 2
-    assert "tensor_parallel 2 is not implemented yet" in capsys.readouterr().err
 
 
 def test_a_draft_model_must_share_the_vocabulary(tmp_path, capsys):

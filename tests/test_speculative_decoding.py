@@ -74,6 +74,25 @@ def test_greedy_with_speculation_equals_hf(model_type, method, tiny_checkpoints,
         torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tensor_parallel_verification_equals_hf(method, tiny_checkpoints, hf_reference):
+    """Two ranks compute the target's k + 1 rows per verification row; rank 0 alone drafts and verifies."""
+    path = tiny_checkpoints["qwen2"]
+    speculative = NGRAM if method == "ngram" else _self_draft(path)
+    pipe = fastgen.pipeline(path, tensor_parallel=2, num_kv_blocks=28, block_size=4, token_budget=16, max_seqs=6,
+                            progress=False, speculative_config=speculative)
+    try:
+        prompts = _prompts(pipe.tokenizer)
+        responses = pipe(prompts, do_sample=False, max_new_tokens=NUM_NEW, ignore_eos=True)
+        stats = pipe.engine.speculator.stats
+        assert stats.num_draft_tokens > 0
+        if method == "draft_model":
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
+    finally:
+        pipe.destroy()
+    assert [r.token_ids for r in responses] == [tokens for tokens, _ in hf_reference(path, prompts, NUM_NEW)]
+
+
 @pytest.fixture(scope="module")
 def pipes(tiny_checkpoints):
     path = tiny_checkpoints["llama"]

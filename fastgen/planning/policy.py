@@ -231,9 +231,6 @@ def _choose_speculation(spec: SpeculativeConfig, model: ModelFacts, hw: Hardware
                         group: int, tp: int, max_seqs: int) -> tuple[SpeculativeConfig, str]:
     """The user's speculative_config checked against the model (a draft model's vocabulary) and with the
     decode batch above which it stops paying (`choose_disable_by_batch_size`)."""
-    if tp > 1:
-        raise ValueError(f"speculative_config with tensor_parallel {tp} is not implemented yet: verification runs on "
-                         "one rank (use tensor_parallel=1, or replicas)")
     draft = None
     if spec.method == "draft_model":
         draft = model_facts(spec.model)
