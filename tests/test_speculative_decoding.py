@@ -7,6 +7,8 @@ draft; seeded sampling repeats itself; stop strings, logprobs, `n`, penalties an
 behave as without speculation; counters reach `/metrics` under vLLM's names.
 """
 
+import re
+
 import pydoc_data.topics
 import pytest
 import torch
@@ -132,6 +134,23 @@ def test_rules_on_later_tokens_hold_with_several_accepted_per_step(pipes):
     assert (got.generated_text, got.finish_reason) == (want.generated_text, "stop")
     streamed = "".join(d.generated_text for d in drafted.stream([[5, 6, 7]], do_sample=False, max_new_tokens=20))
     assert streamed == text
+
+
+def test_structured_output_masks_every_verified_position(pipes, tiny_checkpoints):
+    plain, _ = pipes
+    pipe = fastgen.pipeline(tiny_checkpoints["llama"], progress=False, token_budget=32, speculative_config=NGRAM)
+    try:
+        # The prompt holds text the constraint allows, so lookup drafts it once the output starts like it.
+        prompt = "codes: 123-abcd 123-abcd 123-abcd 123-"
+        regex = {"regex": "([0-9]{3}-[a-z]{4} ){3}"}
+        want = plain([prompt], do_sample=False, max_new_tokens=40, structured_outputs=regex)[0]
+        got = pipe([prompt], do_sample=False, max_new_tokens=40, structured_outputs=regex)[0]
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+        sampled = pipe([prompt] * 4, temperature=1.0, seed=5, max_new_tokens=40, structured_outputs=regex)
+        assert all(re.fullmatch(r"([0-9]{3}-[a-z]{4} ){3}", r.generated_text) for r in sampled)
+        assert pipe.engine.speculator.stats.num_accepted_tokens > 0
+    finally:
+        pipe.destroy()
 
 
 def test_rows_under_a_rule_on_their_next_token_get_no_drafts(pipes):

@@ -9,9 +9,11 @@ appends what was accepted, plus the bonus or corrected token, under the stop rul
 slots stay the sequence's and are rewritten by a later step.
 
 Which rows draft: decode rows (one token pending) while the step has at most
-`disable_by_batch_size` of them (the plan's measure of where verification stops paying), whose next
-tokens no rule constrains: a row under a structured-output grammar, below its `min_new_tokens` or
-with `bad_words` decodes without drafts, its tokens exactly what plain decoding gives.
+`disable_by_batch_size` of them (the plan's measure of where verification stops paying), except
+rows below their `min_new_tokens` or with `bad_words` (their bans depend on the tokens before each
+position): those decode without drafts, their tokens exactly what plain decoding gives. A row under a
+structured-output grammar keeps the drafts its grammar allows, and each verified position gets the
+grammar's mask after the drafts before it.
 """
 
 from __future__ import annotations
@@ -79,8 +81,7 @@ class Speculator:
         """How many drafts `seq` may verify next step: k, fewer near its length limits (the bonus
         token must still fit), 0 when a rule constrains its next tokens (see the module)."""
         params = seq.params
-        if (seq.grammar is not None or seq.bad_words_ids or len(seq.output_token_ids) < params.min_new_tokens
-                or seq.num_pending_tokens != 1):
+        if seq.bad_words_ids or len(seq.output_token_ids) < params.min_new_tokens or seq.num_pending_tokens != 1:
             return 0
         limit = self.k
         max_len = self.stop_rules.max_length(seq)
@@ -101,6 +102,9 @@ class Speculator:
             drafts = self.draft_model.propose(decode_rows, limits)
         else:
             drafts = [self.ngram.propose(seq.token_ids, limit) if limit else [] for seq, limit in zip(decode_rows, limits)]
+        # A structured-output row verifies only the drafts its grammar allows (one mask per position).
+        drafts = [draft[:seq.grammar.valid_prefix(seq.output_token_ids, draft)] if draft and seq.grammar else draft
+                  for seq, draft in zip(decode_rows, drafts)]
         return {seq.seq_id: draft for seq, draft in zip(decode_rows, drafts) if draft}
 
     def release(self, keep: set[int]) -> None:

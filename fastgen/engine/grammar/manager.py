@@ -101,14 +101,18 @@ class StructuredOutputManager:
         next(iter(self._compiling.values())).pending.wait(timeout_s)
         return True
 
-    def fill_bitmask(self, rows: list[ConstrainedRow]) -> tuple[Tensor | None, list[int]]:
+    def fill_bitmask(self, rows: list[ConstrainedRow], histories: list[list[int]] | None = None,
+                     ) -> tuple[Tensor | None, list[int]]:
         """The step's bitmask over `rows` (the sequences that sample, in row order) and the rows it
-        constrains; (None, []) when none is. Raises what a row's matcher raises (`GrammarRejected`)."""
+        constrains; (None, []) when none is. `histories[i]` is what row i's token follows (default
+        its output; a verification row's later positions follow its drafts too). Raises what a
+        row's matcher raises (`GrammarRejected`)."""
         constrained = [i for i, seq in enumerate(rows) if seq.grammar is not None]
         if not constrained:
             return None, []
+        histories = histories or [seq.output_token_ids for seq in rows]
         bitmask = allocate_bitmask(len(rows), self._vocab_size)
-        filled = [i for i in constrained if rows[i].grammar.fill(bitmask, i, rows[i].output_token_ids)]
+        filled = [i for i in constrained if rows[i].grammar.fill(bitmask, i, histories[i])]
         return (bitmask, filled) if filled else (None, [])
 
     def shutdown(self) -> None:

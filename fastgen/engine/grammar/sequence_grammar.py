@@ -1,8 +1,8 @@
 """One sequence's grammar state, kept in step with its generated tokens.
 
-The matcher is synced to the sequence's output ids before each use: tokens appended since are
-accepted, tokens removed since (a speculative draft rejected, a recompute that drops tokens) are
-rolled back. So whatever the scheduler does to a sequence (preempt it, recompute its KV, fork it
+The matcher is synced to the sequence's output ids before each use: it keeps the constrained
+tokens it accepted, rolls back those after the longest prefix they share with the output (a
+speculative draft rejected, a recompute that drops tokens) and accepts the output's tokens after it. So whatever the scheduler does to a sequence (preempt it, recompute its KV, fork it
 for `n`), its matcher describes exactly the tokens it has. With `start_after` (a reasoning model's
 end-of-thinking token ids), the constraint applies only to the tokens after their first occurrence.
 """
@@ -22,7 +22,7 @@ class GrammarRejected(ValueError):
 class SequenceGrammar:
     """The grammar of one sequence: its pending compile, then its matcher."""
 
-    __slots__ = ("pending", "_backend", "_matcher", "_start_after", "_start", "_num_accepted")
+    __slots__ = ("pending", "_backend", "_matcher", "_start_after", "_start", "_tokens")
 
     def __init__(self, pending: PendingGrammar, backend: GrammarBackend, start_after: tuple[int, ...] = ()) -> None:
         """`start_after`: token ids after whose first occurrence in the output the constraint starts
@@ -32,7 +32,7 @@ class SequenceGrammar:
         self._matcher: Matcher | None = None
         self._start_after = tuple(start_after)
         self._start: int | None = None if start_after else 0
-        self._num_accepted = 0
+        self._tokens: list[int] = []  # the constrained tokens the matcher has accepted, in order
 
     @property
     def ready(self) -> bool:
@@ -56,6 +56,19 @@ class SequenceGrammar:
         matcher.fill(bitmask, row)
         return True
 
+    def valid_prefix(self, output_token_ids: list[int], drafts: list[int]) -> int:
+        """How many of `drafts` (speculative decoding's, after `output_token_ids`) the grammar allows in
+        a row; the matcher is left synced to `output_token_ids`."""
+        allowed = 0
+        try:
+            for j in range(len(drafts)):
+                self._synced(output_token_ids + drafts[:j + 1])
+                allowed = j + 1
+        except GrammarRejected:
+            pass
+        self._synced(output_token_ids)
+        return allowed
+
     def is_terminated(self, output_token_ids: list[int]) -> bool:
         """Sync with `output_token_ids` and say whether the grammar has ended (its stop token was accepted).
 
@@ -78,19 +91,25 @@ class SequenceGrammar:
     def _synced(self, output: list[int]) -> Matcher | None:
         start = self._find_start(output)
         if start is None:
-            if self._matcher is not None and self._num_accepted:
-                self._matcher.rollback(self._num_accepted)
-                self._num_accepted = 0
+            self._rollback_to(0)
             return None
         if self._matcher is None:
             self._matcher = self._backend.matcher(self.pending.result())
-        wanted = len(output) - start
-        if self._num_accepted > wanted:
-            self._matcher.rollback(self._num_accepted - wanted)
-            self._num_accepted = wanted
-        for token in output[start + self._num_accepted:]:
+        wanted = output[start:]
+        tokens = self._tokens
+        common = min(len(tokens), len(wanted))
+        if tokens[:common] != wanted[:common]:  # usually equal: the output only grew (or shrank)
+            common = next(i for i, (ours, theirs) in enumerate(zip(tokens, wanted)) if ours != theirs)
+        self._rollback_to(common)
+        for token in wanted[common:]:
             if not self._matcher.accept(token):
                 raise GrammarRejected(f"token {token} is not allowed by the {self.pending.spec.kind} constraint "
-                                      f"after {self._num_accepted} constrained tokens")
-            self._num_accepted += 1
+                                      f"after {len(tokens)} constrained tokens")
+            tokens.append(token)
         return self._matcher
+
+    def _rollback_to(self, num_tokens: int) -> None:
+        """Undo the accepted tokens after the first `num_tokens`."""
+        if len(self._tokens) > num_tokens:
+            self._matcher.rollback(len(self._tokens) - num_tokens)
+            del self._tokens[num_tokens:]

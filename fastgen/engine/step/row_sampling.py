@@ -43,13 +43,14 @@ def verify_rows(rejection_sampler: RejectionSampler, logits: torch.Tensor, seqs:
     """The tokens each verification row emits (its accepted drafts, then the bonus or corrected
     token) and per emitted token its logprob dict when asked. Row i of `seqs` owns `len(drafts[i]) + 1`
     consecutive rows of `logits`, each processed as plain sampling would at that position (penalties
-    count the drafts before it). Rows without drafts sample as `sample_rows` would; only they may be
-    constrained (a grammar, banned tokens: the `Speculator` drafts for no such row)."""
+    count the drafts before it, a grammar's mask follows them). Rows without drafts sample as
+    `sample_rows` would; only they may have banned tokens (the `Speculator` drafts for no such row)."""
     positions = [seq for seq, draft in zip(seqs, drafts) for _ in range(len(draft) + 1)]
     histories = [seq.output_token_ids + draft[:j] for seq, draft in zip(seqs, drafts) for j in range(len(draft) + 1)]
     banned = [stop_rules.banned_tokens(seq) if not draft else [] for seq, draft in zip(seqs, drafts)
               for _ in range(len(draft) + 1)]
-    bitmask, grammar_rows = (None, []) if structured_outputs is None else structured_outputs.fill_bitmask(positions)
+    bitmask, grammar_rows = (None, []) if structured_outputs is None else \
+        structured_outputs.fill_bitmask(positions, histories)
     md = SamplingMetadata.build(
         [s.params for s in positions], [s.prompt_token_ids for s in positions], histories,
         [s.generator for s in positions], vocab_size, logits.device, banned if any(banned) else None,
