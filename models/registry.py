@@ -16,6 +16,7 @@ from fastgen.models.gpt2 import GPT2LMHeadModel
 from fastgen.models.granite import GraniteForCausalLM
 from fastgen.models.gpt_oss import GptOssForCausalLM
 from fastgen.models.llama import LlamaForCausalLM
+from fastgen.models.llama4 import Llama4ForCausalLM
 from fastgen.models.mixtral import MixtralForCausalLM
 from fastgen.models.olmo import OlmoForCausalLM
 from fastgen.models.opt import OPTForCausalLM
@@ -46,6 +47,7 @@ MODEL_REGISTRY: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "glm4_moe": Glm4MoeForCausalLM,
     "olmo3": OlmoForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "llama4_text": Llama4ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
     "kimi_k2": DeepseekV3ForCausalLM,
 })

@@ -54,13 +54,15 @@ def _llama3_inv_freq(params: Mapping[str, Any], base: float, dim: int, original_
     factor = _number(params, "factor", "llama3")
     low_freq_factor = _number(params, "low_freq_factor", "llama3")
     high_freq_factor = _number(params, "high_freq_factor", "llama3")
-    if high_freq_factor <= low_freq_factor:
+    # Equal factors (Llama 4 Scout's 1.0 and 1.0) leave no band to blend: every frequency is kept or divided.
+    if high_freq_factor < low_freq_factor:
         raise ValueError(
-            f"rope_scaling needs high_freq_factor > low_freq_factor, got {high_freq_factor} <= {low_freq_factor}"
+            f"rope_scaling needs high_freq_factor >= low_freq_factor, got {high_freq_factor} < {low_freq_factor}"
         )
     inv_freq = _inv_freq(base, dim)
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > original_max / low_freq_factor, inv_freq / factor, inv_freq)
+    # With equal factors the blend divides by zero, but `is_medium` below then selects none of it (as in HF).
     smooth = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < original_max / high_freq_factor) * ~(wavelen > original_max / low_freq_factor)

@@ -97,6 +97,7 @@ def attend_decode_rows(
     out: torch.Tensor,
     plans: dict | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int = 0,
 ) -> None:
     """Attend the single query token of each of `rows` over its blocks and write it into `out`.
 
@@ -104,21 +105,23 @@ def attend_decode_rows(
     (`[T, num_q_heads, head_dim]`) and `out`. The K/V of this step must already be in the cache.
     `plans`: this step's plans by their settings, shared by its layers (None: plan for this call only).
     `sinks` (`[num_q_heads]`): attention sinks, applied to each row's result through its log-sum-exp
-    (`_sink_weight`).
+    (`_sink_weight`). `attention_chunk` > 0: a row sees only the keys of its own chunk of that many
+    positions (chunked local attention), like a window that restarts at every chunk start.
     """
     plans = {} if plans is None else plans
     block_size = k_cache.shape[1]
     if len(rows) <= _FEW_ROWS:
-        key = ("few", block_size, sliding_window)
+        key = ("few", block_size, sliding_window, attention_chunk)
         if key not in plans:
-            plans[key] = _visible_spans(block_tables, seq_lens, rows, query_rows, block_size, sliding_window)
+            plans[key] = _visible_spans(block_tables, seq_lens, rows, query_rows, block_size, sliding_window,
+                                        attention_chunk)
         _attend_rows_one_by_one(query, k_cache, v_cache, plans[key], scale, softcap, out, sinks)
         return
     in_place = softcap == 0 and query.device.type == "cpu"  # the CPU flash kernel has no softcap
-    key = ("batched", block_size, sliding_window, in_place, query.dtype)
+    key = ("batched", block_size, sliding_window, attention_chunk, in_place, query.dtype)
     if key not in plans:
         plans[key] = plan_decode_rows(block_tables, seq_lens, rows, query_rows, block_size, sliding_window, in_place,
-                                      query.dtype)
+                                      query.dtype, attention_chunk)
     attend_planned(plans[key], query, k_cache, v_cache, scale, softcap, out, sinks)
 
 
@@ -143,7 +146,8 @@ _MIN_RANGE = 4
 
 
 def plan_decode_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: list[int], query_rows: list[int],
-                     block_size: int, sliding_window: int, in_place: bool, dtype: torch.dtype) -> DecodePlan:
+                     block_size: int, sliding_window: int, in_place: bool, dtype: torch.dtype,
+                     attention_chunk: int = 0) -> DecodePlan:
     """The `DecodePlan` of `rows` (their tokens `query_rows`) for a cache of `block_size`-token blocks,
     masks in `dtype`; `in_place` False sends every pair to the copies."""
     device = block_tables.device
@@ -154,6 +158,9 @@ def plan_decode_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: l
     if sliding_window > 0:
         # Same rule as transformers' sliding window: key visible iff query - key < window.
         first_pos = (lens - sliding_window).clamp_min(0)
+    if attention_chunk > 0:
+        # Same rule as transformers' chunked attention: the query (position lens - 1) sees its own chunk only.
+        first_pos = torch.maximum(first_pos, (lens - 1) // attention_chunk * attention_chunk)
     first_block = first_pos // block_size
     columns = torch.arange(int(num_blocks.max()), device=device)
     used = (columns < num_blocks[:, None]) & (columns >= first_block[:, None])
@@ -269,14 +276,16 @@ def _attend_in_place(stretch: CacheRange, query, k_cache, v_cache, scale: float,
 
 
 def _visible_spans(block_tables, seq_lens, rows: list[int], query_rows: list[int], block_size: int,
-                   sliding_window: int) -> list[tuple[int, list[int], int, int]]:
-    """Per row: its token, the cache blocks holding its visible keys (the window's, if any), and where
-    those keys start and stop in the blocks' concatenation."""
+                   sliding_window: int, attention_chunk: int = 0) -> list[tuple[int, list[int], int, int]]:
+    """Per row: its token, the cache blocks holding its visible keys (the window's and its attention
+    chunk's, if any), and where those keys start and stop in the blocks' concatenation."""
     tables, lens = block_tables.tolist(), seq_lens.tolist()
     spans = []
     for row, token in zip(rows, query_rows):
         seq_len = lens[row]
         first = max(0, seq_len - sliding_window) if sliding_window > 0 else 0
+        if attention_chunk > 0:
+            first = max(first, (seq_len - 1) // attention_chunk * attention_chunk)
         first_block = first // block_size
         blocks = tables[row][first_block: -(-seq_len // block_size)]
         spans.append((token, blocks, first - first_block * block_size, seq_len - first_block * block_size))

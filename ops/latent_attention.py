@@ -65,7 +65,7 @@ def torch_latent_attention(
     """
     _check(query, latent, cache)
     return torch_paged_attention(query, latent, latent, cache, cache, slot_mapping, block_tables, seq_lens,
-                                 query_start_loc, scale, 0, 0.0, None, step_plans)
+                                 query_start_loc, scale, step_plans=step_plans)
 
 
 def triton_latent_attention(

@@ -40,14 +40,18 @@ def _attend_one(
     softcap: float,
     plans: dict | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int = 0,
 ) -> torch.Tensor:
     """Causal attention of `q` `[Q, Hq, D]`, the last Q positions, over `k`/`v` `[L, Hkv, D]`. `plans`:
     the step's plans (`torch_paged_attention`), where the mask is kept for the step's other layers.
-    `sinks`: per query head, a logit in the softmax's denominator only (`torch_paged_attention`)."""
+    `sinks`: per query head, a logit in the softmax's denominator only (`torch_paged_attention`).
+    `attention_chunk` > 0: position 0 of `k` starts a chunk (the caller cuts `k` at a chunk start)."""
     num_q, num_ctx = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     explicit = softcap > 0 or sinks is not None  # scores SDPA cannot give: computed one by one
-    if not explicit and (sliding_window <= 0 or sliding_window >= num_ctx):
+    unmasked = ((sliding_window <= 0 or sliding_window >= num_ctx)
+                and (attention_chunk <= 0 or attention_chunk >= num_ctx))
+    if not explicit and unmasked:
         # A query block over exactly its own keys is SDPA's `is_causal`: no mask tensor, and its
         # flash kernel skips the masked tiles.
         if num_q == num_ctx:
@@ -57,23 +61,27 @@ def _attend_one(
     # once a step, the masks of a 200-token chunk over 1200 positions cost 870 against 1025 us a call
     # (bf16, 8/2 heads of 64, 2-core AMX Xeon).
     additive = None if explicit else q.dtype
-    key = ("causal_mask", num_q, num_ctx, sliding_window, additive)
+    key = ("causal_mask", num_q, num_ctx, sliding_window, attention_chunk, additive)
     plans = {} if plans is None else plans
     if key not in plans:
-        plans[key] = _causal_mask(num_q, num_ctx, sliding_window, q.device, additive)
+        plans[key] = _causal_mask(num_q, num_ctx, sliding_window, q.device, additive, attention_chunk)
     return _attend_heads(qh, kh, vh, plans[key], scale, softcap, sinks)[0].transpose(0, 1)
 
 
 def _causal_mask(num_q: int, num_ctx: int, sliding_window: int, device: torch.device,
-                 additive: torch.dtype | None) -> torch.Tensor:
+                 additive: torch.dtype | None, attention_chunk: int = 0) -> torch.Tensor:
     """`[1, 1, Q, L]`: which of `num_ctx` keys each of the last `num_q` positions sees (`sliding_window` 0 =
-    all earlier ones), as bools or, with `additive` a dtype, 0 where visible and -inf elsewhere."""
+    all earlier ones; `attention_chunk` > 0: only those of its own chunk of that many positions, chunks
+    starting at key 0), as bools or, with `additive` a dtype, 0 where visible and -inf elsewhere."""
     q_pos = torch.arange(num_ctx - num_q, num_ctx, device=device).unsqueeze(1)
     k_pos = torch.arange(num_ctx, device=device).unsqueeze(0)
     mask = k_pos <= q_pos
     if sliding_window > 0:
         # Same rule as transformers' sliding-window overlay: key visible iff q - k < window.
         mask = mask & (k_pos > q_pos - sliding_window)
+    if attention_chunk > 0:
+        # Same rule as transformers' chunked overlay: key visible iff it lies in the query's chunk.
+        mask = mask & (k_pos // attention_chunk == q_pos // attention_chunk)
     if additive is not None:
         mask = torch.zeros(mask.shape, dtype=additive, device=device).masked_fill_(~mask, float("-inf"))
     return mask[None, None]
@@ -113,6 +121,7 @@ def torch_paged_attention(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int = 0,
     step_plans: dict | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend over each sequence's blocks (plain torch: the
@@ -123,6 +132,8 @@ def torch_paged_attention(
     0 means no tanh soft-capping of the scores. `sinks` (`[num_q_heads]`, None = none): attention
     sinks (gpt-oss), one learned logit per query head added to the softmax's denominator and to no
     value, so a head may attend to nothing: out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)).
+    `attention_chunk` > 0 (Llama 4's chunked local attention): positions are cut into chunks of that
+    many from position 0, and a query sees only the earlier keys of its own chunk (0 = no chunks).
     Returns `[T, num_q_heads, head_dim]`, zeros for padded tokens. `step_plans`
     (`AttentionMetadata.step_plans`): what the first layer of a step works out from the metadata,
     kept for the other layers; None works it out for this call only.
@@ -149,17 +160,23 @@ def torch_paged_attention(
     block_size = k_cache.shape[1]
     if single:
         attend_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, single, [starts[s] for s in single],
-                           scale, sliding_window, softcap, out, plans, sinks)
+                           scale, sliding_window, softcap, out, plans, sinks, attention_chunk)
     for s, q_start, q_end, seq_len in chunks:
-        if seq_len == q_end - q_start:
-            # No earlier context (a prompt's first chunk): its K/V are this step's, no gather needed.
+        # With chunked attention no query of this step sees a key before its first query's chunk: the
+        # keys start there, a chunk start, so the mask's chunks (counted from key 0) stay the real ones.
+        first = (seq_len - (q_end - q_start)) // attention_chunk * attention_chunk if attention_chunk > 0 else 0
+        if seq_len - first == q_end - q_start:
+            # No earlier visible context (a prompt's first chunk): its K/V are this step's, no gather needed.
             k = key[q_start:q_end].to(k_cache.dtype)
             v = value[q_start:q_end].to(v_cache.dtype)
         else:
-            blocks = block_tables[s, : -(-seq_len // block_size)].long()
-            k = gather_blocks(k_cache, blocks).flatten(0, 1)[:seq_len]
-            v = gather_blocks(v_cache, blocks).flatten(0, 1)[:seq_len]
-        out[q_start:q_end] = _attend_one(query[q_start:q_end], k, v, scale, sliding_window, softcap, plans, sinks)
+            first_block = first // block_size
+            blocks = block_tables[s, first_block: -(-seq_len // block_size)].long()
+            keep = slice(first - first_block * block_size, seq_len - first_block * block_size)
+            k = gather_blocks(k_cache, blocks).flatten(0, 1)[keep]
+            v = gather_blocks(v_cache, blocks).flatten(0, 1)[keep]
+        out[q_start:q_end] = _attend_one(query[q_start:q_end], k, v, scale, sliding_window, softcap, plans, sinks,
+                                         attention_chunk)
     return out
 
 
@@ -169,7 +186,7 @@ def torch_paged_attention(
 # kernel is needed. The Library object owns the registrations; it lives as long as this module.
 _SCHEMA = ("(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
            "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=0, "
-           "float softcap=0.0, Tensor? sinks=None) -> Tensor")
+           "float softcap=0.0, Tensor? sinks=None, int attention_chunk=0) -> Tensor")
 _LIBRARY = torch.library.Library("fastgen", "DEF")
 _LIBRARY.define("paged_attention" + _SCHEMA)
 _LIBRARY.define("paged_attention_torch" + _SCHEMA)
@@ -199,6 +216,7 @@ def attention(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int = 0,
 ) -> torch.Tensor:
     """What model code calls: paged attention of one layer through `attn_metadata.backend`."""
     md = attn_metadata
@@ -209,7 +227,7 @@ def attention(
         # as the op in profiles, so traces read the same either way; the name is only recorded while a
         # profiler runs (~10 us a layer otherwise).
         args = (query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping, md.block_tables, md.seq_lens,
-                md.query_start_loc, scale, sliding_window, softcap, sinks, md.step_plans)
+                md.query_start_loc, scale, sliding_window, softcap, sinks, attention_chunk, md.step_plans)
         if not torch.autograd._profiler_enabled():
             return torch_paged_attention(*args)
         with torch.profiler.record_function("fastgen::paged_attention_torch"):
@@ -224,12 +242,12 @@ def attention(
         raise ValueError(f"unknown attention backend {attn_metadata.backend!r} (supported: auto, torch, triton)")
     return op(
         query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping, md.block_tables, md.seq_lens,
-        md.query_start_loc, scale, sliding_window, softcap, sinks,
+        md.query_start_loc, scale, sliding_window, softcap, sinks, attention_chunk,
     )
 
 
 def _fake(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-          sliding_window=0, softcap=0.0, sinks=None):
+          sliding_window=0, softcap=0.0, sinks=None, attention_chunk=0):
     return torch.empty_like(query)
 
 

@@ -228,8 +228,8 @@ def _launch_kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tens
 def triton_paged_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-    scale: float, sliding_window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None, *,
-    out: torch.Tensor | None = None, num_kv_splits: int | None = None,
+    scale: float, sliding_window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+    attention_chunk: int = 0, *, out: torch.Tensor | None = None, num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend, with the same contract as `fastgen::paged_attention`.
 
@@ -240,8 +240,9 @@ def triton_paged_attention(
     overrides the split-KV rule (`choose_num_kv_splits`). Returns `out`.
     """
     check_inputs(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
-    if sliding_window < 0 or softcap < 0:
-        raise ValueError(f"sliding_window ({sliding_window}) and softcap ({softcap}) must be >= 0")
+    if sliding_window < 0 or softcap < 0 or attention_chunk < 0:
+        raise ValueError(f"sliding_window ({sliding_window}), softcap ({softcap}) and attention_chunk "
+                         f"({attention_chunk}) must be >= 0")
     if sinks is not None and (tuple(sinks.shape) != (query.shape[1],) or sinks.device != query.device
                               or not sinks.is_floating_point()):
         raise ValueError(f"sinks must be a float tensor [{query.shape[1]}] (one per query head) on {query.device}, "
@@ -285,12 +286,12 @@ def triton_paged_attention(
         out, part_acc, part_max, part_sum,
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks_arg,
         num_seqs, num_q_heads, float(scale), float(softcap) if softcap > 0 else 1.0, int(sliding_window),
-        block_size, head_dim,
+        int(attention_chunk), block_size, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0),
-        TILE_N=TILE_N, NUM_SPLITS=num_kv_splits, USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0,
-        USE_SINKS=sinks is not None, UPCAST=upcast, IEEE_DOT=upcast,
+        TILE_N=TILE_N, NUM_SPLITS=num_kv_splits, USE_WINDOW=sliding_window > 0, USE_CHUNK=attention_chunk > 0,
+        USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None, UPCAST=upcast, IEEE_DOT=upcast,
         num_warps=num_warps, **common,
     )
     if num_kv_splits > 1:

@@ -16,8 +16,8 @@ Work split of the attention kernel (the ideas of vLLM's unified kernel, written 
 - program axis 2 is the KV split: with `NUM_SPLITS > 1` each program attends over one contiguous
   share of its key tiles and stores an unnormalised partial result that `reduce_splits_kernel`
   merges. Decode with few sequences and long contexts thus still fills the GPU.
-Softmax runs online in fp32 in the log2 domain; key tiles outside the causal range or the
-sliding window are never visited.
+Softmax runs online in fp32 in the log2 domain; key tiles outside the causal range, the
+sliding window or the query block's attention chunks are never visited.
 
 The kernels call only `tl` builtins, never the jit functions of `triton.language.standard`
 (`tl.cdiv`, `tl.zeros`, `tl.max`, `tl.sum`, ...): those are decorated when triton is first
@@ -98,14 +98,17 @@ def _locate(query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK_Q: tl.constexpr):
 def paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
-    num_seqs, num_q_heads, scale, softcap, sliding_window, block_size, head_dim,
+    num_seqs, num_q_heads, scale, softcap, sliding_window, attention_chunk, block_size, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    USE_SINKS: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     """Causal attention of one query block of one sequence, one KV head's query heads, one KV split.
+
+    With `USE_CHUNK`, a query sees only the keys of its own chunk of `attention_chunk` positions (chunks
+    counted from position 0: Llama 4's chunked local attention).
 
     With `USE_SINKS`, each query head's sink logit (`sinks_ptr[head]`) joins the softmax's denominator
     when the result is normalised (here, or in `reduce_splits_kernel` when the KV is split)."""
@@ -134,6 +137,9 @@ def paged_attention_kernel(
     kv_begin = 0
     if USE_WINDOW:
         kv_begin = tl.maximum(context_len + block_first - sliding_window + 1, 0)
+    if USE_CHUNK:
+        # The block's first query has the earliest chunk start; later queries mask the rest of it below.
+        kv_begin = tl.maximum(kv_begin, (context_len + block_first) // attention_chunk * attention_chunk)
     tile_begin = kv_begin // TILE_N
     tile_end = (kv_end + TILE_N - 1) // TILE_N
     if NUM_SPLITS > 1:
@@ -170,6 +176,8 @@ def paged_attention_kernel(
         visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (keys[None, :] > q_pos[:, None] - sliding_window)
+        if USE_CHUNK:
+            visible = visible & (keys[None, :] >= (q_pos // attention_chunk * attention_chunk)[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.reduce(scores, 1, _maximum))
         # A row with nothing visible yet keeps max -inf; subtracting 0 instead keeps exp2 at 0, not NaN.

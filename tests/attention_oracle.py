@@ -3,7 +3,7 @@
 It takes the op's own arguments and does what the contract says, one step at a time, in Python
 loops: write each real token's K/V to its slot, then for each sequence gather its keys position by
 position through its block table, and for each query token and head take the keys the rules let
-it see (causal, sliding window), softcap the scores, softmax in float64 (a sink logit, if any, joining
+it see (causal, sliding window, attention chunk), softcap the scores, softmax in float64 (a sink logit, if any, joining
 the denominator) and average the values.
 Nothing in it is shared with `fastgen.ops`, so an op is checked against the rules, not against
 another implementation of them. Small shapes only.
@@ -30,13 +30,15 @@ def paged_attention_oracle(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(float64 output `[tokens, Hq, D]`, K cache after the write, V cache after the write) of one
     `fastgen::paged_attention` call; the caches passed in are left untouched.
 
     Sequence `s` owns query rows `query_start_loc[s] : query_start_loc[s + 1]`, the last positions of
     its `seq_lens[s]` tokens; rows no sequence owns (padding) are zero. Query position `i` sees key
-    position `j` iff `j <= i` and, with a window, `i - j < sliding_window`. With `sinks`, head `h`'s
+    position `j` iff `j <= i` and, with a window, `i - j < sliding_window`, and with chunks,
+    `j // attention_chunk == i // attention_chunk`. With `sinks`, head `h`'s
     softmax denominator holds one more term, `exp(sinks[h])`, that weighs no value.
     """
     k_after, v_after = k_cache.clone(), v_cache.clone()
@@ -60,7 +62,8 @@ def paged_attention_oracle(
         context = length - (last - first)
         for row in range(first, last):
             i = context + (row - first)
-            visible = [j for j in range(i + 1) if sliding_window <= 0 or i - j < sliding_window]
+            visible = [j for j in range(i + 1) if (sliding_window <= 0 or i - j < sliding_window)
+                       and (attention_chunk <= 0 or j // attention_chunk == i // attention_chunk)]
             for h in range(num_q_heads):
                 kv = h // group
                 q = query[row, h].double()

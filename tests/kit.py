@@ -160,6 +160,20 @@ TINY_CONFIGS: dict[str, tuple[type, dict]] = {
              rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                            "truncate": False, "original_max_position_embeddings": 128}),
     ),
+    # Layer 0: rotary (interleaved pairs, llama3 scaling) with chunked local attention (chunks of 12,
+    # below the longer prompts) and the weightless q/k norm, dense MLP (intermediate_size_mlp 96);
+    # layer 1: NoPE, full attention, temperature tuning that bites (floor_scale 8), the MoE
+    # (interleave_moe_layer_step 2): top-2 of 8 sigmoid-scored experts scaling their inputs, plus the
+    # shared expert. q/k/v/o biases, head_dim 32 != hidden / heads.
+    "llama4_text": (
+        transformers.Llama4TextConfig,
+        dict(head_dim=32, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=8,
+             num_experts_per_tok=2, interleave_moe_layer_step=2, no_rope_layers=[1, 0], attention_chunk_size=12,
+             use_qk_norm=True, attn_temperature_tuning=True, floor_scale=8, attn_scale=0.5, attention_bias=True,
+             rope_theta=500000.0,
+             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 64}),
+    ),
     # MLA (latent cache of 32 + 16 values, q LoRA, v_head_dim 24 != qk 48, interleaved rope with YaRN
     # whose mscale_all_dim scales the softmax), layer 0 dense (first_k_dense_replace), layer 1 8 routed
     # experts in 4 groups of which 2 stay eligible, top-2, plus a shared expert. The router's

@@ -34,6 +34,17 @@ def _copy(tiny_checkpoints, model_type: str, tmp_path, **changes) -> str:
     ("llama", dict(rope_parameters={"rope_type": "mrope", "rope_theta": 1e4}), "unsupported rope type 'mrope'"),
     ("glm4_moe", dict(n_group=3), "the groups must divide the experts"),
     ("smollm3", dict(no_rope_layers=[1, 0, 1]), "no_rope_layers has 3 entries for 2 layers"),
+    ("llama4_text", dict(layer_types=["chunked_attention", "sliding_attention"]),
+     r"llama4_text layer_types entries \['sliding_attention'\] are not implemented"),
+    ("llama4_text", dict(attention_chunk_size=0), "attention_chunk_size must be a positive integer, got 0"),
+    ("llama4_text", dict(moe_layers=[2]), r"moe_layers \[2\] must be layer indices in \[0, 2\)"),
+    ("llama4_text", dict(no_rope_layers=[1, 0, 1]), "no_rope_layers has 3 entries for 2 layers"),
+    ("llama4_text", dict(quantization_config={"quant_method": "fbgemm_fp8"}),
+     "quantization_config quant_method 'fbgemm_fp8' is not implemented"),
+    ("llama4_text", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor 0.5 is not implemented"),
 ])
 def test_unimplemented_config_fails_at_load_naming_it(model_type, changes, message, tiny_checkpoints, tmp_path):
     with pytest.raises(ValueError, match=message):
@@ -50,6 +61,28 @@ def test_gemma3_transformers4_config_reads_like_5(tiny_checkpoints, tmp_path):
     assert ours.config.layer_sliding_windows == [12, 0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert hf.config.layer_types == ["sliding_attention", "full_attention"]
+    from kit import PagedRunner
+
+    runner = PagedRunner(ours, block_size=4)
+    got = runner.step([(runner.add(PROMPT), len(PROMPT))])
+    with torch.inference_mode():
+        expected = hf(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_llama4_text_config_without_resolved_lists_reads_like_hf(tiny_checkpoints, tmp_path):
+    """A config.json without `layer_types` / `moe_layers`, with 4.x rope keys: the defaults resolve as
+    HF's config class resolves them (chunked attention on the rotary layers, MoE every
+    `interleave_moe_layer_step`-th layer)."""
+    path = _copy(tiny_checkpoints, "llama4_text", tmp_path, layer_types=None, moe_layers=None, rope_parameters=None,
+                 rope_theta=500000.0,
+                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    ours = load_model(path, progress=False).model
+    assert ours.config.raw["layer_types"] == ["chunked_attention", "full_attention"]
+    assert ours.config.raw["moe_layers"] == [1]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.layer_types == ours.config.raw["layer_types"]
     from kit import PagedRunner
 
     runner = PagedRunner(ours, block_size=4)

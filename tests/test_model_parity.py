@@ -72,7 +72,8 @@ def test_prefill_logits_and_greedy_match_hf(model_type, tiny_checkpoints):
     assert mean_distinct >= 8, f"greedy outputs are barely varied ({mean_distinct:.1f} distinct tokens of 32)"
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+# llama4_text: prompt chunks of 13 against attention chunks of 12, so a step's queries straddle chunk starts.
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "llama4_text"])
 def test_chunked_prefill_mixed_with_decodes_matches_hf(model_type, tiny_checkpoints):
     """SplitFuse-shaped steps: decodes first, then prompt chunks cut to a small token budget."""
     path = tiny_checkpoints[model_type]

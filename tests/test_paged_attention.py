@@ -43,11 +43,11 @@ class _Harness:
     def __init__(self, *, block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, window: int = 0, softcap: float = 0.0,
                  num_blocks: int = 64, seed: int = 0, shuffle: bool = True, layout: str = "head_major",
-                 sinks: bool = False) -> None:
+                 sinks: bool = False, chunk: int = 0) -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.block_size, self.head_dim = block_size, head_dim
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
-        self.dtype, self.window, self.softcap = dtype, window, softcap
+        self.dtype, self.window, self.softcap, self.chunk = dtype, window, softcap, chunk
         self.scale = head_dim**-0.5
         # The engine's layout (each block stored head-major), or plain contiguous: the ops take either.
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -97,7 +97,7 @@ class _Harness:
             tables[row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
         args = (query, key, value, self.k_cache, self.v_cache, torch.tensor(slots, dtype=torch.int64), tables,
                 torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
-                self.scale, self.window, self.softcap, self.sinks)
+                self.scale, self.window, self.softcap, self.sinks, self.chunk)
         return args
 
     def check(self, expected: tuple, args: tuple, out: torch.Tensor, num_real: int) -> None:
@@ -196,6 +196,27 @@ def test_sinks_few_decode_rows_softcap_and_dtypes(softcap, dtype):
     for _ in range(3):
         h.step([(s, 1) for s in seqs], pad_tokens=1)
     h.step([(seqs[0], 1), (seqs[1], 6)])
+
+
+@pytest.mark.parametrize("chunk, window", [(1, 0), (4, 0), (5, 0), (7, 3), (16, 0)])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_attention_chunk(kind, chunk, window):
+    """Chunked local attention (Llama 4): a query sees only its own chunk of positions, which a chunk start
+    resets (no sliding window equals it), for prompt chunks over earlier context, first chunks, and the
+    decode rows both batched and attended one by one; with a window inside the chunks too."""
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, window=window, chunk=chunk,
+                 seed=chunk + len(kind))
+    _run_batch(h, kind, seed=11 * chunk + len(kind), pad_tokens=2, pad_rows=1)
+
+
+def test_attention_chunk_few_decode_rows_across_a_chunk_start():
+    """Up to three decode rows, attended one by one, stepping over chunk starts one token at a time."""
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=1, head_dim=32, chunk=6, seed=23)
+    seqs = [_Seq() for _ in range(2)]
+    h.step([(seqs[0], 4), (seqs[1], 11)])
+    for _ in range(4):
+        h.step([(s, 1) for s in seqs], pad_tokens=1)
+    h.step([(seqs[0], 5)])  # a prompt-like chunk that starts mid-chunk and crosses a chunk start
 
 
 def _strided(t: torch.Tensor, how: str) -> torch.Tensor:
@@ -365,6 +386,7 @@ TRITON_CASES = [
     ("bf16", dict(block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16), "mixed", 2, 2),
     ("sinks_window", dict(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, window=5, sinks=True),
      "mixed", 1, 1),
+    ("attention_chunk_5", dict(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=32, chunk=5), "mixed", 2, 1),
 ]
 
 
@@ -402,13 +424,14 @@ def test_all_padding_step(op):
 
 
 def _oracle_one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
-                         softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         softcap: float = 0.0, sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """The oracle on one whole sequence (`[L, H, D]` each) held in a single block."""
     length, num_kv_heads, head_dim = k.shape
     cache = torch.full((1, length, num_kv_heads, head_dim), float("nan"), dtype=k.dtype)
     out, _, _ = paged_attention_oracle(q, k, v, cache, cache.clone(), torch.arange(length),
                                        torch.zeros(1, 1, dtype=torch.int32), torch.tensor([length]),
-                                       torch.tensor([0, length]), head_dim**-0.5, window, softcap, sinks)
+                                       torch.tensor([0, length]), head_dim**-0.5, window, softcap, sinks,
+                                       chunk)
     return out
 
 
@@ -426,6 +449,12 @@ def test_oracle_equals_sdpa_and_its_rules_change_the_answer():
     assert not torch.allclose(plain, _oracle_one_sequence(q, k, v, window=3), atol=1e-3)
     assert not torch.allclose(plain, _oracle_one_sequence(q, k, v, softcap=1.0), atol=1e-3)
     torch.testing.assert_close(_oracle_one_sequence(q, k, v, window=1), v.repeat_interleave(2, dim=1))
+    # Chunks of 3: the first chunk's queries are plain causal, the second's restart (position 3 sees only
+    # itself), which no sliding window gives.
+    chunked = _oracle_one_sequence(q, k, v, chunk=3)
+    torch.testing.assert_close(chunked[:3], plain[:3])
+    torch.testing.assert_close(chunked[3], v[3].repeat_interleave(2, dim=0))
+    assert all(not torch.allclose(chunked, _oracle_one_sequence(q, k, v, window=w), atol=1e-3) for w in range(1, 7))
     # A sink shrinks each output by the sink's share of the denominator: exp(sink) / (exp(sink) + sum)
     # is 1/2 for the first position (one key, of score q.k) when sink = its score.
     sinks = torch.tensor([0.5, -1.0, 2.0, 100.0], dtype=torch.float64)

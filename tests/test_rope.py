@@ -35,6 +35,7 @@ CASES = {
     "linear_4x_type_key": ("llama", {"type": "linear", "factor": 2.0}, 1.0),
     "dynamic": ("llama", {"rope_type": "dynamic", "factor": 2.0}, 1.0),
     "llama3": ("llama", LLAMA3, 1.0),
+    "llama3_equal_factors": ("llama", dict(LLAMA3, high_freq_factor=1.0), 1.0),  # Llama 4 Scout's
     "yarn": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG}, 1.0),
     "yarn_mscale": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG,
                               "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 16, "beta_slow": 2,

@@ -92,7 +92,7 @@ def make_batch(seqs: list[tuple[int, int]], *, block_size: int, num_q_heads: int
 
 
 def check_against_reference(batch: Batch, *, sliding_window: int = 0, softcap: float = 0.0,
-                            num_kv_splits: int | None = None, sinks: bool = False) -> None:
+                            num_kv_splits: int | None = None, sinks: bool = False, attention_chunk: int = 0) -> None:
     """Run the kernel (on `DEVICE`) on copies of the cache; compare its output and caches with the
     float64 oracle's, and its output with the torch path's. `sinks`: with a random sink logit per
     query head, large enough to take a good share of the softmax."""
@@ -101,14 +101,14 @@ def check_against_reference(batch: Batch, *, sliding_window: int = 0, softcap: f
     if sinks:
         sink_logits = 2 * torch.randn(batch.query.shape[1], generator=torch.Generator().manual_seed(5)) + 1
     expected, ref_k, ref_v = paged_attention_oracle(*batch.args(batch.k_cache, batch.v_cache), scale,
-                                                    sliding_window, softcap, sink_logits)
+                                                    sliding_window, softcap, sink_logits, attention_chunk)
     torch_out = torch_paged_attention(*batch.args(batch.k_cache.clone(), batch.v_cache.clone()), scale,
-                                      sliding_window, softcap, sink_logits)
+                                      sliding_window, softcap, sink_logits, attention_chunk)
     args = [t.to(DEVICE) for t in batch.args(batch.k_cache.clone(), batch.v_cache.clone())]
     k_cache, v_cache = args[3], args[4]
     out = torch.full_like(args[0], float("nan"))
     device_sinks = None if sink_logits is None else sink_logits.to(DEVICE)
-    ta.triton_paged_attention(*args, scale, sliding_window, softcap, device_sinks, out=out,
+    ta.triton_paged_attention(*args, scale, sliding_window, softcap, device_sinks, attention_chunk, out=out,
                               num_kv_splits=num_kv_splits)
     out, k_cache, v_cache = out.cpu(), k_cache.cpu(), v_cache.cpu()
     torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
@@ -155,6 +155,11 @@ CASES = [
      dict(block_size=16, num_q_heads=4, num_kv_heads=1, head_dim=64), dict(num_kv_splits=3, sinks=True)),
     ("sinks_bf16", [(9, 1), (0, 12), (40, 5)],
      dict(block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16), dict(sinks=True)),
+    # Chunked local attention (Llama 4): query blocks that straddle chunk starts, and over KV splits.
+    ("attention_chunk_mixed", [(40, 1), (0, 21), (13, 9), (70, 1), (11, 30)],
+     dict(block_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64, pad_tokens=1), dict(attention_chunk=12)),
+    ("attention_chunk_split_kv", [(150, 1), (20, 19), (60, 2), (0, 0)],
+     dict(block_size=16, num_q_heads=4, num_kv_heads=1, head_dim=64), dict(num_kv_splits=3, attention_chunk=48)),
 ]
 
 
@@ -276,7 +281,7 @@ def test_split_rule_depends_on_shapes_only():
 
 
 @interpreter_only
-@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "llama4_text"])
 def test_model_greedy_tokens_match_torch_op(model_type, tiny_checkpoints):
     """A whole tiny model through the Triton op: same greedy tokens and logits as the torch op."""
     model = load_model(tiny_checkpoints[model_type], progress=False).model
@@ -357,8 +362,8 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         parts = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "sinks_ptr")}
         tile = dict(HEAD_DIM_PAD=128, GROUP=4, BLOCK_M=16, BLOCK_Q=4)
         compile_kernel(K.paged_attention_kernel, {**meta, **data, **parts},
-                       dict(tile, TILE_N=32, NUM_SPLITS=2, USE_WINDOW=True, USE_SOFTCAP=True, USE_SINKS=True,
-                            UPCAST=False, IEEE_DOT=False))
+                       dict(tile, TILE_N=32, NUM_SPLITS=2, USE_WINDOW=True, USE_CHUNK=True, USE_SOFTCAP=True,
+                            USE_SINKS=True, UPCAST=False, IEEE_DOT=False))
         compile_kernel(K.reduce_splits_kernel, {**meta, **data, **parts}, dict(tile, NUM_SPLITS=2, USE_SINKS=True))
         compile_kernel(K.kv_write_kernel, {**data, "slot_mapping_ptr": "*i64"},
                        dict(BLOCK_T=8, HEADS_PAD=8, HEAD_DIM_PAD=128))
