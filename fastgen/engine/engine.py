@@ -44,6 +44,9 @@ from fastgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("fastgen")
 
+SPEC_LOG_INTERVAL_S = 30.0
+"""Seconds between log lines of speculative decoding's measured acceptance."""
+
 
 def _stop_group(group: TensorParallelGroup, num_threads: int) -> None:
     """Stop a tensor-parallel group and give this process back the CPU threads it had before."""
@@ -98,6 +101,7 @@ class Engine:
         self._request_ids = itertools.count()
         self._num_steps = 0
         self._step_seconds = 0.0
+        self._spec_logged = (time.monotonic(), 0)  # when speculation's acceptance was last logged, at how many drafts
         logger.info("fastgen engine: %s on %s, %s, %d KV blocks of %d tokens, max_model_len %d, tensor_parallel %d",
                     self.model_dir, self.device, self.dtype, spec.num_blocks, self.block_size,
                     self.max_model_len, plan.tensor_parallel)
@@ -217,7 +221,20 @@ class Engine:
         # On a GPU without a sync the next step's time absorbs this one's.
         self._num_steps += 1
         self._step_seconds += time.perf_counter() - started
+        if self.speculator is not None:
+            self._log_acceptance()
         return failed + [self._delta(update) for update in updates]
+
+    def _log_acceptance(self) -> None:
+        """Every 30 s while speculation verifies drafts: its acceptance so far (vLLM logs the same)."""
+        at, drafts = self._spec_logged
+        stats = self.speculator.stats
+        if stats.num_drafts > drafts and time.monotonic() - at >= SPEC_LOG_INTERVAL_S:
+            self._spec_logged = (time.monotonic(), stats.num_drafts)
+            logger.info("speculative decoding: acceptance %.2f (%d of %d draft tokens), %.2f tokens per verified "
+                        "row-step, accepted per position %s", stats.acceptance_rate, stats.num_accepted_tokens,
+                        stats.num_draft_tokens, 1 + stats.num_accepted_tokens / stats.num_drafts,
+                        stats.accepted_per_position)
 
     def _fail_unusable_grammars(self) -> list[Response]:
         """End the queued requests whose grammar failed to compile (or took too long): their final deltas."""
