@@ -19,6 +19,8 @@ from typing import Any
 from fastgen.config import EngineConfig, argument_type
 from fastgen.engine import DEMO_MODEL_DIR
 from fastgen.serving.deploy import registry
+from fastgen.serving.http.reasoning import REASONING_PARSERS
+from fastgen.serving.http.tool_parsers import TOOL_CALL_PARSERS
 from fastgen.serving.limits import (API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST,
                                     ServingLimits, api_keys_from_env)
 
@@ -178,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--strict-params", action="store_true",
                         help="REST: refuse OpenAI request fields this server does not implement with a 400 "
                              "(default: accept and ignore them with a warning and an X-Ignored-Fields header, as vLLM)")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                        help="REST: parse tool calls out of chat replies in this format, for tool_choice auto "
+                             "(hermes: <tool_call>{...}</tool_call>, as Qwen and Hermes write; llama3_json: bare JSON "
+                             "calls). Without it, tool_choice auto is refused; required and named choices need none")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="REST: split a reasoning model's <think>...</think> into reasoning_content, and start "
+                             "structured outputs and tool constraints after it (deepseek_r1: the reply starts "
+                             "thinking; qwen3: it thinks when it opens with <think>)")
     parser.add_argument("--protect-metrics", action="store_true",
                         help="REST: /metrics needs the API key too (default: open, for Prometheus scrapers)")
     parser.add_argument("--grpc-workers", type=int, default=128, help="concurrent gRPC calls (threads)")

@@ -80,7 +80,8 @@ def _rest_app(rest: Any, args: argparse.Namespace, backend: Backend, stop: threa
                            model_name=args.model or os.path.basename(DEMO_MODEL_DIR), limits=server.limits,
                            max_model_len=backend.model_info().max_length, metrics=metrics, on_terminate=stop.set,
                            strict_params=args.strict_params, protect_metrics=args.protect_metrics,
-                           budget=server.budget)
+                           budget=server.budget, tool_call_parser=args.tool_call_parser,
+                           reasoning_parser=args.reasoning_parser)
 
 
 class _RestThread:

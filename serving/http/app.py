@@ -32,6 +32,8 @@ from fastgen.serving.limits import ServingLimits
 from fastgen.serving.metrics import ServingMetrics
 from fastgen.serving.http.openai_routes import add_openai_routes
 from fastgen.serving.http.openapi import install_openapi
+from fastgen.serving.http.reasoning import REASONING_PARSERS
+from fastgen.serving.http.tool_parsers import TOOL_CALL_PARSERS
 from fastgen.serving.http.request_models import RequestModels
 from fastgen.serving.http.utility_routes import add_utility_routes
 
@@ -95,7 +97,8 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
                max_model_len: int | None = None, metrics: ServingMetrics | None = None,
                on_terminate: Callable[[], None] | None = None, max_pending_requests: int | None = None,
                limits: ServingLimits | None = None, strict_params: bool = False,
-               protect_metrics: bool = False, budget: PendingBudget | None = None) -> FastAPI:
+               protect_metrics: bool = False, budget: PendingBudget | None = None,
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The gateway app over `backend` (an `EngineLoop` or anything with its `submit_async`).
 
     `model_name` is the id OpenAI clients send as `model`. `limits` holds the keys and bounds the
@@ -111,7 +114,10 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
     deployment (its vLLM-named series get `model_name` as their label); `on_terminate` is called
     after `GET /terminate` answers. OpenAI bodies with fields this server does not know are served
     with those fields ignored (a warning and an `X-Ignored-Fields` header), as vLLM does, or
-    refused with a 400 when `strict_params`. The schema is served at `/openapi.json` (and `/docs`).
+    refused with a 400 when `strict_params`. `tool_call_parser` (one of `TOOL_CALL_PARSERS`) parses
+    tool calls out of chat replies for `tool_choice: auto`; `reasoning_parser` (one of
+    `REASONING_PARSERS`) splits a reasoning model's thinking into `reasoning_content` and starts
+    structured constraints after it. The schema is served at `/openapi.json` (and `/docs`).
     """
     if not callable(getattr(backend, "submit_async", None)):
         raise TypeError(f"backend must have submit_async(prompt, params) like EngineLoop, got {type(backend).__name__}")
@@ -121,6 +127,10 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
     if "/" in deployment_name:
         raise ValueError(f"deployment_name must not contain '/', got {deployment_name!r}")
     limits = _merged_limits(limits, api_key, max_pending_requests)
+    for name, value, known in (("tool_call_parser", tool_call_parser, TOOL_CALL_PARSERS),
+                               ("reasoning_parser", reasoning_parser, REASONING_PARSERS)):
+        if value is not None and value not in known:
+            raise ValueError(f"{name} must be one of {', '.join(known)} or None, got {value!r}")
     _check_positive("max_model_len", max_model_len)
     if metrics is not None and not isinstance(metrics, ServingMetrics):
         raise TypeError(f"metrics must be a ServingMetrics, got {type(metrics).__name__}")
@@ -164,7 +174,7 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
         router.add_api_route(path, endpoint, methods=["GET"])
         router.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
     models = RequestModels.build(model_name, limits, gateway.max_prompt_chars, strict_params)
-    add_openai_routes(router, gateway, model_name, max_model_len, models)
+    add_openai_routes(router, gateway, model_name, max_model_len, models, tool_call_parser, reasoning_parser)
     add_utility_routes(router, gateway, model_name, max_model_len, models)
     add_mii_routes(router, gateway, deployment_name, models, on_terminate)
 

@@ -3,10 +3,14 @@
 `chat_prompt` checks a chat body's `messages`, `add_generation_prompt`, `continue_final_message`,
 `chat_template_kwargs` and `add_special_tokens` (a 400 naming the field); `render_chat` renders
 the result with the checkpoint's chat template on a worker thread (jinja and the tokenizer block).
+An assistant message's `tool_calls` and a tool message's `tool_call_id` reach the template, the calls'
+arguments as objects (as HF templates expect them; OpenAI sends JSON text), and so do the request's
+tools (`tools=` of `apply_chat_template`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +29,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 class ChatPrompt:
     """A validated conversation, rendered with the chat template (on a worker) just before submission."""
 
-    conversation: list[dict[str, str]]
-    """`{role, content[, name]}` per message, content parts joined into text."""
+    conversation: list[dict[str, Any]]
+    """`{role, content[, name, tool_calls, tool_call_id]}` per message, content parts joined into text."""
     add_generation_prompt: bool = True
     """End the rendering with the template's assistant header (a new reply starts)."""
     continue_final_message: bool = False
@@ -35,6 +39,8 @@ class ChatPrompt:
     """Extra variables for the template (`chat_template_kwargs`, e.g. `enable_thinking`)."""
     add_special_tokens: bool = False
     """Let the tokenizer add its special tokens (BOS) to the rendering, which usually holds them already."""
+    tools: list[dict[str, Any]] | None = None
+    """The request's tools, for the template (`tools=`); None without."""
 
     @property
     def response_role(self) -> str:
@@ -61,7 +67,31 @@ def _message_text(i: int, content: Any) -> str:
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
 
 
-def chat_conversation(messages: Any) -> list[dict[str, str]]:
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, each call's JSON arguments as an object for the template."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be a list of {{id, type, function: {{name, arguments}}}}", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f"{where}[{j}] must be {{id, type: \"function\", function: {{name, arguments}}}}",
+                           param="messages")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                raise ApiError(400, f"{where}[{j}].function.arguments must be JSON text", param="messages") from None
+        entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def chat_conversation(messages: Any) -> list[dict[str, Any]]:
     """Validate `messages` into the conversation the chat template renders."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
@@ -75,13 +105,18 @@ def chat_conversation(messages: Any) -> list[dict[str, str]]:
         entry = {"role": role, "content": _message_text(i, message.get("content"))}
         if isinstance(message.get("name"), str):
             entry["name"] = message["name"]
+        if message.get("tool_calls") is not None:
+            entry["tool_calls"] = _tool_calls(i, message["tool_calls"])
+        if isinstance(message.get("tool_call_id"), str):
+            entry["tool_call_id"] = message["tool_call_id"]
         conversation.append(entry)
     return conversation
 
 
-def chat_prompt(request: Any) -> ChatPrompt:
+def chat_prompt(request: Any, tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
     """The conversation and template options of a validated chat body (`/v1/chat/completions`,
-    `/tokenize`): a request model whose flags are already checked (`request_models`)."""
+    `/tokenize`): a request model whose flags are already checked (`request_models`); `tools` (checked
+    by `tools.tool_plan`) go to the template."""
     if request.messages is None:
         raise ApiError(400, "messages is required", param="messages")
     conversation = chat_conversation(request.messages)
@@ -96,17 +131,20 @@ def chat_prompt(request: Any) -> ChatPrompt:
         raise ApiError(400, f"chat_template_kwargs may not set {reserved[0]!r} (a top-level field or set by the "
                             "server)", param="chat_template_kwargs")
     return ChatPrompt(conversation, add_generation_prompt, continue_final, dict(kwargs),
-                      bool(request.add_special_tokens))
+                      bool(request.add_special_tokens), tools)
 
 
 def render_chat_text(tokenizer: Any, chat: ChatPrompt) -> str:
     """The conversation rendered with the checkpoint's chat template (blocking: run it on a worker)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
+    kwargs = dict(chat.template_kwargs)
+    if chat.tools is not None:
+        kwargs["tools"] = chat.tools
     try:
         return tokenizer.apply_chat_template(chat.conversation, add_generation_prompt=chat.add_generation_prompt,
                                              continue_final_message=chat.continue_final_message, tokenize=False,
-                                             **chat.template_kwargs)
+                                             **kwargs)
     except Exception as exc:  # jinja2 and transformers raise their own errors (roles that must alternate...)
         raise ApiError(400, f"messages could not be rendered with the chat template: {exc}", param="messages") from None
 

@@ -23,7 +23,10 @@ from fastgen.api import normalise_prompts
 from fastgen.sampling_params import FieldError, SamplingParams
 from fastgen.serving.http.chat import ChatPrompt, chat_prompt
 from fastgen.serving.http.guard import ApiError
+from fastgen.serving.http.reasoning import END as REASONING_END
+from fastgen.serving.http.reasoning import REASONING_PARSERS, ReasoningFormat
 from fastgen.serving.http.structured import structured_outputs_of
+from fastgen.serving.http.tools import ToolPlan, tool_plan
 from fastgen.serving.http.request_models import OPENAI_SAMPLING_FIELDS, RequestModels, validate
 
 _MAX_SHOWN_NAMES = 20
@@ -98,6 +101,10 @@ class Parsed:
     """Let the tokenizer add its special tokens (BOS) to a text prompt."""
     ignored: tuple[str, ...] = ()
     """Fields of the body this server does not know, accepted and ignored."""
+    tools: ToolPlan | None = None
+    """Chat: how the request's tools are used (None without tools)."""
+    reasoning: ReasoningFormat | None = None
+    """Chat: the server's `--reasoning-parser` format, which splits `reasoning_content` off."""
 
     def response_id(self, prefix: str, random_id: str) -> str:
         """The response's `id`: `<prefix>-<request_id>`, or `<prefix>-<random_id>` without one."""
@@ -193,11 +200,25 @@ def parse_completion(body: dict[str, Any], models: RequestModels, model_name: st
     return parsed
 
 
-def parse_chat(body: dict[str, Any], models: RequestModels, model_name: str) -> Parsed:
-    """Validate a `/v1/chat/completions` body (its prompt is rendered later, off the event loop)."""
+def parse_chat(body: dict[str, Any], models: RequestModels, model_name: str, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> Parsed:
+    """Validate a `/v1/chat/completions` body (its prompt is rendered later, off the event loop);
+    `tool_call_parser` and `reasoning_parser` are the server's formats (`--tool-call-parser`, ...)."""
     request = validate(models.chat, body)
     kwargs, parsed = _parse_common(request, model_name)
-    parsed.prompts = [chat_prompt(request)]
+    plan = tool_plan(request, tool_call_parser)
+    if plan is not None and plan.constraint is not None:
+        if "structured_outputs" in kwargs:
+            raise ApiError(400, f"tool_choice {plan.choice} constrains the reply to tool calls: it cannot be "
+                                "combined with response_format or structured_outputs", param="tool_choice")
+        kwargs["structured_outputs"] = plan.constraint
+    if reasoning_parser is not None:
+        parsed.reasoning = REASONING_PARSERS[reasoning_parser]
+        if "structured_outputs" in kwargs:
+            # The model thinks freely first; the route drops this when the prompt already closed the thinking.
+            kwargs["structured_outputs"] = {"reasoning_end": REASONING_END, **kwargs["structured_outputs"]}
+    parsed.tools = plan
+    parsed.prompts = [chat_prompt(request, plan.tools if plan is not None else None)]
     max_completion_tokens, max_tokens = request.max_completion_tokens, request.max_tokens
     parsed.max_tokens_param = "max_completion_tokens" if max_completion_tokens is not None else (
         "max_tokens" if max_tokens is not None else None)

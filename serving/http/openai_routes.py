@@ -8,14 +8,18 @@ prompts and spelling out logprob tokens both decode.
 `echo` with `logprobs` answers as vLLM does: the choice's logprobs cover the prompt's tokens (the
 first with null logprobs) and then the generated ones, which is how lm-eval scores loglikelihoods;
 with `max_tokens: 0` one token is generated and dropped, so only the prompt comes back.
+
+A chat choice's text is shaped by `chat_output.ChoiceOutput`: reasoning split off by the server's
+`--reasoning-parser`, tool calls parsed out by the request's tool plan (`tools.tool_plan`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -23,8 +27,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from fastgen.outputs import Response
+from fastgen.serving.http.chat import render_chat_text
+from fastgen.serving.http.chat_output import ChoiceOutput, chat_message
 from fastgen.serving.http.gateway import generation_error
-from fastgen.serving.http.guard import read_json_object
+from fastgen.serving.http.guard import ApiError, read_json_object
 from fastgen.serving.http.logprobs import chat_logprobs, completion_logprobs, echo_entries, vllm_prompt_logprobs
 from fastgen.serving.http.openai_params import Parsed, ignored_notice, model_not_found, parse_chat, parse_completion
 from fastgen.serving.http.request_models import RequestModels
@@ -110,10 +116,31 @@ def _sse_response(generation: Generation, events: AsyncIterator[dict], headers: 
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
+async def _thinking(gateway: Gateway, req: Parsed) -> bool | None:
+    """Whether the chat reply starts inside its thinking (see `ReasoningFormat.starts_thinking`), read
+    off the rendered prompt; a prompt that closed the thinking already lets the constraint start at once."""
+    text = await gateway.offload.run(render_chat_text, gateway.tokenizer, req.prompts[0])
+    thinking = req.reasoning.starts_thinking(text)
+    spec = req.params.structured_outputs
+    if thinking is False and spec is not None and spec.reasoning_end is not None:
+        req.params = dataclasses.replace(req.params, structured_outputs=dataclasses.replace(spec, reasoning_end=None))
+    return thinking
+
+
+def _tools_refusal(exc: ApiError, req: Parsed) -> ApiError:
+    # The grammar backend names the constraint it was given; for tools, that constraint is theirs.
+    if req.tools is not None and req.tools.constraint is not None and exc.param == "structured_outputs":
+        return ApiError(400, f"tools: the functions' parameters are not a JSON schema this server can compile "
+                             f"({exc.message})", param="tools")
+    return exc
+
+
 def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_model_len: int | None,
-                      models: RequestModels) -> None:
+                      models: RequestModels, tool_call_parser: str | None = None,
+                      reasoning_parser: str | None = None) -> None:
     """Add `/v1/models`, `/v1/completions` and `/v1/chat/completions` to `router`, their bodies
-    validated as `models` (which refuse unknown fields when the app is strict)."""
+    validated as `models` (which refuse unknown fields when the app is strict); chat replies are
+    parsed with the server's `tool_call_parser` and `reasoning_parser` formats (None: not parsed)."""
     tokenizer, offload = gateway.tokenizer, gateway.offload
     card: dict[str, Any] = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "fastgen"}
     if max_model_len is not None:
@@ -160,12 +187,21 @@ def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        req = await read_json_object(request, offload, lambda body: parse_chat(body, models, model_name))
+        req = await read_json_object(request, offload, lambda body: parse_chat(
+            body, models, model_name, tool_call_parser, reasoning_parser))
         headers = ignored_notice(request.method, request.url.path, req.ignored)
         head = {"id": req.response_id("chatcmpl", uuid.uuid4().hex), "created": int(time.time()), "model": model_name}
-        generation = await gateway.start(req.prompts, req.params, "messages", req.max_tokens_param)
+        thinking = await _thinking(gateway, req) if req.reasoning is not None else None
+        try:
+            generation = await gateway.start(req.prompts, req.params, "messages", req.max_tokens_param)
+        except ApiError as exc:
+            raise _tools_refusal(exc, req) from None
+
+        def output() -> ChoiceOutput:
+            return ChoiceOutput(req.tools, req.reasoning is not None, thinking)
+
         if req.stream:
-            return _sse_response(generation, _chat_events(generation, req, head, gateway), headers)
+            return _sse_response(generation, _chat_events(generation, req, head, gateway, output), headers)
         chat = req.prompts[0]
         echo = chat.echo_text() if req.echo else ""
         usage, choices = _Usage(), []
@@ -177,8 +213,9 @@ def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_
                 content = await offload.run(chat_logprobs, tokenizer, r.token_ids, r.logprobs, req.top_logprobs,
                                             req.token_ids_as_text)
                 logprobs = {"content": content}
-            choices.append({"index": r.index, "message": {"role": chat.response_role, "content": echo + r.generated_text},
-                            "logprobs": logprobs, "finish_reason": r.finish_reason})
+            shaped = output()
+            choices.append({"index": r.index, "message": chat_message(shaped, chat.response_role, r.generated_text, echo),
+                            "logprobs": logprobs, "finish_reason": shaped.finish_reason(r.finish_reason)})
         body = {**head, "object": "chat.completion", "choices": choices, "usage": usage.as_dict()}
         if req.prompt_logprobs is not None:
             entries = _shared_prompt_logprobs(results).get(0)
@@ -222,8 +259,10 @@ async def _completion_events(generation: Generation, req: Parsed, head: dict, ec
         yield {**head, "choices": [], "usage": usage.as_dict()}
 
 
-async def _chat_events(generation: Generation, req: Parsed, head: dict, gateway: Gateway) -> AsyncIterator[dict]:
+async def _chat_events(generation: Generation, req: Parsed, head: dict, gateway: Gateway,
+                       output: Callable[[], ChoiceOutput]) -> AsyncIterator[dict]:
     head = {**head, "object": "chat.completion.chunk"}
+    outputs: dict[int, ChoiceOutput] = {}
     tail = {"usage": None} if req.include_usage else {}
     chat = req.prompts[0]
     echo = chat.echo_text() if req.echo else ""
@@ -247,10 +286,11 @@ async def _chat_events(generation: Generation, req: Parsed, head: dict, gateway:
             content = await gateway.offload.run(chat_logprobs, gateway.tokenizer, d.token_ids, d.logprobs,
                                                 req.top_logprobs, req.token_ids_as_text)
             logprobs = {"content": content}
-        delta = {"content": d.generated_text} if d.generated_text else {}
+        shaped = outputs.setdefault(d.index, output())
+        delta = shaped.feed(d.generated_text, final) if d.generated_text or final else {}
         if delta or final or logprobs:
             yield {**head, "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": d.finish_reason if final else None}],
+                                        "finish_reason": shaped.finish_reason(d.finish_reason) if final else None}],
                    **({"usage": choice_usage} if req.continuous_usage else tail)}
     if req.include_usage:
         yield {**head, "choices": [], "usage": usage.as_dict()}

@@ -8,9 +8,10 @@ sampling field's type and range is derived from its one declaration on `Sampling
 Types are strict where JSON clients differ from Python: a bool is never a number, a string never
 a number or a bool, a whole float (`50.0`) is an int, and NaN/Infinity are refused. A field this
 server does not know is kept aside (`model_extra`) to be ignored with a warning, or refused with a
-400 under `--strict-params`; a known feature this server lacks (tools, guided decoding, beam
-search, ...) is accepted only at its "off" value. Structured-output fields are typed loosely here and
-checked by `structured.structured_outputs_of` and the engine's grammar backend. `prompt` and `messages` are described here but
+400 under `--strict-params`; a known feature this server lacks (beam search, the deprecated
+`functions`, ...) is accepted only at its "off" value. Structured-output and tool fields are typed
+loosely here and checked by `structured.structured_outputs_of`, `tools.tool_plan` and the engine's
+grammar backend. `prompt` and `messages` are described here but
 checked by `fastgen.api.normalise_prompts` and `chat.chat_conversation`, whose errors name the
 offending prompt or message. `validate` turns the first error into an OpenAI-shaped 400 naming the field.
 """
@@ -114,10 +115,8 @@ _OFF_ONLY: dict[str, tuple[Any, str]] = {
 _COMPLETION_OFF_ONLY = {"suffix": (Annotated[str, annotated_types.MaxLen(0)],
                                     "no insertion (fill-in-the-middle) support")}
 _CHAT_OFF_ONLY = {
-    "tools": (Annotated[list[Any], annotated_types.MaxLen(0)], "no tool calling"),
-    "functions": (Annotated[list[Any], annotated_types.MaxLen(0)], "no function calling"),
-    "function_call": (Literal["none", "auto"], "no function calling"),
-    "tool_choice": (Literal["none", "auto"], "no tool calling"),
+    "functions": (Annotated[list[Any], annotated_types.MaxLen(0)], "the deprecated functions; use tools"),
+    "function_call": (Literal["none", "auto"], "the deprecated function_call; use tool_choice"),
     "chat_template": _nothing("the checkpoint's own chat template is used (a request's template is not trusted)"),
 }
 NOT_SUPPORTED = {name: what for name, (_, what) in {**_OFF_ONLY, **_COMPLETION_OFF_ONLY, **_CHAT_OFF_ONLY}.items()}
@@ -128,6 +127,10 @@ STRUCTURED_FIELDS: dict[str, Any] = {
     "guided_regex": Text, "guided_choice": list[Text], "guided_grammar": Text,
 }
 """The ways of asking for structured output (`serving/http/structured.py` turns them into one spec)."""
+
+TOOL_FIELDS: dict[str, Any] = {"tools": list[Any], "tool_choice": str | dict[str, Any],
+                               "parallel_tool_calls": StrictBool}
+"""Tool calling on chat (`serving/http/tools.py` checks them into a plan)."""
 
 OPENAI_SAMPLING_FIELDS = ("n", "stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
                           "repetition_penalty", "ignore_eos", "stop_token_ids", "min_p", "logit_bias", "bad_words",
@@ -193,6 +196,8 @@ class _Message(BaseModel):
     role: Annotated[str, StringConstraints(min_length=1)]
     content: str | list[_TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 _MESSAGES = Annotated[list[_Message], annotated_types.MinLen(1)]
@@ -253,7 +258,8 @@ class RequestModels:
             "ChatCompletionRequest", **common, **template, messages=(_described(_MESSAGES), ...),
             max_tokens=_optional(bounded(int, max_new_tokens)),
             max_completion_tokens=_optional(bounded(int, max_new_tokens)), logprobs=_optional(StrictBool),
-            top_logprobs=_optional(logprobs), parallel_tool_calls=_optional(StrictBool), store=_optional(StrictBool),
+            top_logprobs=_optional(logprobs), store=_optional(StrictBool),
+            **{name: _optional(annotation) for name, annotation in TOOL_FIELDS.items()},
             metadata=_optional(dict[str, str]), service_tier=_optional(str),
             **{name: _optional(annotation) for name, (annotation, _) in _CHAT_OFF_ONLY.items()})
         # MII's body is its client's generate(**body): prompts and SamplingParams' fields by name, nothing else.
