@@ -18,7 +18,6 @@ import torch
 import fastgen
 from fastgen import EngineConfig, SamplingParams
 from fastgen.engine import Engine
-from fastgen.engine.builder import refuse_unbuilt
 from fastgen.engine.speculator import SpecDecodeStats
 from fastgen.serving.metrics import ServingMetrics
 
@@ -184,14 +183,20 @@ def test_disable_by_batch_size_turns_speculation_off_for_busy_steps(tiny_checkpo
         pipe.destroy()
 
 
-def test_speculation_with_cuda_graphs_is_refused_before_loading(tiny_checkpoints):
-    from fastgen.engine.builder import plan_engine
-
-    plan = plan_engine(EngineConfig(model=tiny_checkpoints["llama"], speculative_config=NGRAM))
-    import dataclasses
-
-    with pytest.raises(NotImplementedError, match="cuda_graphs"):
-        refuse_unbuilt(dataclasses.replace(plan, cuda_graphs=True))
+def test_verification_rows_ride_the_static_bucket_path(tiny_checkpoints, hf_reference):
+    """The bucket padding that compiled steps and CUDA graphs replay (exact shapes off): a verification
+    row is k + 1 of a bucket's tokens like any others, its logits rows picked after the padded step."""
+    path = tiny_checkpoints["llama"]
+    pipe = fastgen.pipeline(path, progress=False, buckets=(4, 8, 16, 32), token_budget=32, max_seqs=4,
+                            speculative_config=_self_draft(path))
+    try:
+        assert pipe.engine.runner.buckets == [4, 8, 16, 32]
+        prompts = [[5, 6, 7], [9, 3, 4, 8, 1], [2] * 20]
+        responses = pipe(prompts, do_sample=False, max_new_tokens=NUM_NEW, ignore_eos=True)
+        assert pipe.engine.speculator.stats.num_accepted_tokens > 0
+    finally:
+        pipe.destroy()
+    assert [r.token_ids for r in responses] == [tokens for tokens, _ in hf_reference(path, prompts, NUM_NEW)]
 
 
 def test_counters_reach_metrics_under_vllm_names():

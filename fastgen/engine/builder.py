@@ -44,14 +44,6 @@ def plan_engine(config: EngineConfig) -> Plan:
     return make_plan(model_facts(model_path), detect_hardware(config.device), offline=config.offline, **overrides)
 
 
-def refuse_unbuilt(plan: Plan) -> None:
-    """Raise NotImplementedError for a plan field the engine cannot honour yet, before anything loads."""
-    if plan.speculative_config is not None and plan.cuda_graphs:
-        # Verification rows change how many logits rows a bucket's step has; the graphs are not
-        # captured for that yet: refuse rather than run the speculation slower than asked.
-        raise NotImplementedError("speculative_config with cuda_graphs is not implemented yet: set cuda_graphs=False")
-
-
 @dataclass(slots=True)
 class BuiltRunner:
     """A loaded model behind its runner, with what the engine needs from the checkpoint besides."""
@@ -74,7 +66,6 @@ class BuiltRunner:
 def build_runner(config: EngineConfig, plan: Plan) -> BuiltRunner:
     """Load `config`'s model as `plan` says (this rank's share; the workers of a tensor-parallel
     group load theirs meanwhile), size the KV cache and build the runner."""
-    refuse_unbuilt(plan)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model_dir = resolve_model_dir(config.model or DEMO_MODEL_DIR)
     logger.info("fastgen plan for %s on %s:\n%s", model_dir, device, plan.table())

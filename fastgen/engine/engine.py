@@ -23,7 +23,7 @@ import torch
 from fastgen.config import EngineConfig
 from fastgen.engine.admission import Admission, PreparedRequest
 from fastgen.engine.block_manager import BlockManager
-from fastgen.engine.builder import build_runner, plan_engine, refuse_unbuilt
+from fastgen.engine.builder import build_runner, plan_engine
 from fastgen.engine.detokenizer import TextStream
 from fastgen.engine.draft_proposer import DraftModelProposer
 from fastgen.engine.grammar import StructuredOutputManager
@@ -69,7 +69,6 @@ class Engine:
         if runner.spec.plan != plan:
             raise ValueError("the runner was built for another plan (its spec.plan): build it with "
                              "fastgen.engine.builder.build_runner(config, plan)")
-        refuse_unbuilt(plan)
         self.plan = plan
         self.runner = runner
         self.tokenizer = tokenizer
