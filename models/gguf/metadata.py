@@ -73,6 +73,10 @@ GGUF_FAMILIES: MappingProxyType[str, Family] = MappingProxyType({
                     hidden_act="gelu_pytorch_tanh"),
     "gemma2": Family("gemma2", "Gemma2ForCausalLM", MappingProxyType(_GEMMA2_BLOCK), norm_offset=1.0,
                      hidden_act="gelu_pytorch_tanh"),
+    # llama.cpp's convert adds 1 to every `*norm.weight` of Gemma 3, the per-head q/k norms included.
+    "gemma3": Family("gemma3_text", "Gemma3ForCausalLM", MappingProxyType(
+        {**_GEMMA2_BLOCK, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}),
+        norm_offset=1.0, hidden_act="gelu_pytorch_tanh"),
 })
 """GGUF `general.architecture` -> the family that loads it."""
 
@@ -148,6 +152,8 @@ def gguf_config_dict(path: str, reader=None) -> dict:
                                  for i in range(layers)]
         query_scalar = hidden // heads if layers == 46 else head_dim
         config["query_pre_attn_scalar"] = 1.0 / scale**2 if scale else query_scalar
+    elif family.model_type == "gemma3_text":
+        config.update(_gemma3_settings(meta, arch, config, window, scale))
     elif scale and not math.isclose(scale, head_dim**-0.5, rel_tol=1e-6):
         raise ValueError(f"{path}: {key('attention.scale')} = {scale} is not 1/sqrt(head_dim); fastgen's "
                          f"{family.model_type} attention has no other scale")
@@ -161,6 +167,33 @@ def gguf_config_dict(path: str, reader=None) -> dict:
     if len(weight_types) == 1 and (dtype := _FLOAT_DTYPES.get(next(iter(weight_types)))):
         config["dtype"] = dtype  # a quantized file leaves the dtype to the policy
     return config
+
+
+# llama.cpp's Gemma 3 constants: its local layers rotate with base 10000, unscaled, whatever the file's
+# rope keys say (those describe the global layers), and every sixth layer is global.
+_GEMMA3_LOCAL_ROPE = MappingProxyType({"rope_type": "default", "rope_theta": 10_000.0})
+_GEMMA3_PATTERN = 6
+
+
+def _gemma3_settings(meta: Metadata, arch: str, config: dict, window: int, scale: float | None) -> dict:
+    """The Gemma 3 config keys llama.cpp's loader derives (`llama_load_hparams_gemma3` /
+    `set_swa_pattern(6)`): layer `il` slides when `il % 6 < 5` and the file has a window (without one
+    every layer is global), local layers rotate with `_GEMMA3_LOCAL_ROPE`, the file's rope keys (base,
+    linear scaling) are the global layers', no attention soft-cap, an optional final-logit soft-cap,
+    and the query scale of the 62-layer 27B (`1/sqrt(hidden/heads)`) or otherwise `1/sqrt(head_dim)`."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    layer_types = ["sliding_attention" if window and i % _GEMMA3_PATTERN < _GEMMA3_PATTERN - 1 else "full_attention"
+                   for i in range(layers)]
+    query_scalar = config["hidden_size"] // heads if layers == 62 else config["head_dim"]
+    return {
+        "layer_types": layer_types,
+        "sliding_window": window or None,
+        "rope_parameters": {"sliding_attention": dict(_GEMMA3_LOCAL_ROPE),
+                            "full_attention": config["rope_parameters"]},
+        "query_pre_attn_scalar": 1.0 / scale**2 if scale else query_scalar,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping") or None,
+    }
 
 
 def _rope_parameters(meta: Metadata, arch: str, tensors: dict, head_dim: int) -> dict:
