@@ -19,8 +19,8 @@ from typing import Any
 from fastgen.config import EngineConfig, argument_type
 from fastgen.engine import DEMO_MODEL_DIR
 from fastgen.serving.deploy import registry
-from fastgen.serving.http.reasoning import REASONING_PARSERS
-from fastgen.serving.http.tool_parsers import TOOL_CALL_PARSERS
+from fastgen.serving.http.chat.reasoning import REASONING_PARSERS
+from fastgen.serving.http.chat.tool_parsers import TOOL_CALL_PARSERS
 from fastgen.serving.limits import (API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST,
                                     ServingLimits, api_keys_from_env)
 

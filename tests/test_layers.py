@@ -46,6 +46,9 @@ ALLOWED = [
                               *PUBLIC]),
     ("fastgen.serving.http", ["fastgen.serving.limits", "fastgen.serving.admission", "fastgen.serving.metrics",
                               "fastgen.serving.backend", *PUBLIC]),
+    # Chat completions' messages, tools, tool-call and reasoning parsers and reply shaping sit under the
+    # routes: they raise the guard's 400s and know nothing of the routes, the gateway or the engine.
+    ("fastgen.serving.http.chat", ["fastgen.serving.http.guard"]),
 ]
 LAZY_OK = {"fastgen.__init__": ["fastgen.serving."], "fastgen.api": ["fastgen.executor."]}
 """Imports allowed inside functions only (they run when called, not when the module loads)."""
@@ -127,6 +130,8 @@ def test_the_check_sees_every_layer_and_catches_an_upward_import(tmp_path):
     assert _allowed("fastgen.engine", _rules("fastgen.serving.http.app")[1])
     assert not _allowed("fastgen.serving.grpc.server", _rules("fastgen.serving.http.app")[1])
     assert not _allowed("fastgen.serving.deploy.launcher", _rules("fastgen.serving.grpc.server")[1])
+    assert not _allowed("fastgen.serving.http.gateway", _rules("fastgen.serving.http.chat.output")[1])
+    assert _allowed("fastgen.serving.http.guard", _rules("fastgen.serving.http.chat.tools")[1])
 
 
 def test_top_level_stays_small():

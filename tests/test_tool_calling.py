@@ -18,12 +18,12 @@ from rest_server import serve
 
 from fastgen.serving.cli import build_parser
 from fastgen.serving.http.app import create_app
-from fastgen.serving.http.chat import ChatPrompt, chat_conversation, render_chat_text
-from fastgen.serving.http.chat_output import ChoiceOutput, chat_message
+from fastgen.serving.http.chat.messages import ChatPrompt, chat_conversation, render_chat_text
+from fastgen.serving.http.chat.output import ChoiceOutput, chat_message
+from fastgen.serving.http.chat.reasoning import REASONING_PARSERS, ReasoningSplitter
+from fastgen.serving.http.chat.tool_parsers import JsonCallsParser, make_tool_call_parser
+from fastgen.serving.http.chat.tools import ToolPlan, calls_schema, tool_plan
 from fastgen.serving.http.guard import ApiError
-from fastgen.serving.http.reasoning import REASONING_PARSERS, ReasoningSplitter
-from fastgen.serving.http.tool_parsers import JsonCallsParser, make_tool_call_parser
-from fastgen.serving.http.tools import ToolPlan, calls_schema, tool_plan
 
 MODEL = "tiny-tools"
 ENGINE = dict(num_kv_blocks=64, block_size=8, token_budget=32, max_seqs=8, progress=False)

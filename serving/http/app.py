@@ -30,10 +30,10 @@ from fastgen.serving.http.guard import ApiError, HttpGuard, Offload, public_rout
 from fastgen.serving.http.mii_routes import add_mii_routes
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.metrics import ServingMetrics
+from fastgen.serving.http.chat.reasoning import REASONING_PARSERS
+from fastgen.serving.http.chat.tool_parsers import TOOL_CALL_PARSERS
 from fastgen.serving.http.openai_routes import add_openai_routes
 from fastgen.serving.http.openapi import install_openapi
-from fastgen.serving.http.reasoning import REASONING_PARSERS
-from fastgen.serving.http.tool_parsers import TOOL_CALL_PARSERS
 from fastgen.serving.http.request_models import RequestModels
 from fastgen.serving.http.utility_routes import add_utility_routes
 

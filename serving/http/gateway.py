@@ -22,10 +22,10 @@ from fastgen.engine import Member, RequestFailed, RequestGroup, Sink, full_text_
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.admission import Draining, Overloaded, PendingBudget, shared_budget
+from fastgen.serving.http.chat.messages import ChatPrompt, render_chat
 from fastgen.serving.http.guard import ApiError, Offload
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.metrics import ServingMetrics
-from fastgen.serving.http.chat import ChatPrompt, render_chat
 
 logger = logging.getLogger("fastgen")
 

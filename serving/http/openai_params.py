@@ -21,13 +21,13 @@ from pydantic import BaseModel
 
 from fastgen.api import normalise_prompts
 from fastgen.sampling_params import FieldError, SamplingParams
-from fastgen.serving.http.chat import ChatPrompt, chat_prompt
+from fastgen.serving.http.chat.messages import ChatPrompt, chat_prompt
+from fastgen.serving.http.chat.reasoning import END as REASONING_END
+from fastgen.serving.http.chat.reasoning import REASONING_PARSERS, ReasoningFormat
+from fastgen.serving.http.chat.tools import ToolPlan, tool_plan
 from fastgen.serving.http.guard import ApiError
-from fastgen.serving.http.reasoning import END as REASONING_END
-from fastgen.serving.http.reasoning import REASONING_PARSERS, ReasoningFormat
-from fastgen.serving.http.structured import structured_outputs_of
-from fastgen.serving.http.tools import ToolPlan, tool_plan
 from fastgen.serving.http.request_models import OPENAI_SAMPLING_FIELDS, RequestModels, validate
+from fastgen.serving.http.structured import structured_outputs_of
 
 _MAX_SHOWN_NAMES = 20
 _MAX_SHOWN_NAME = 80

@@ -9,8 +9,8 @@ prompts and spelling out logprob tokens both decode.
 first with null logprobs) and then the generated ones, which is how lm-eval scores loglikelihoods;
 with `max_tokens: 0` one token is generated and dropped, so only the prompt comes back.
 
-A chat choice's text is shaped by `chat_output.ChoiceOutput`: reasoning split off by the server's
-`--reasoning-parser`, tool calls parsed out by the request's tool plan (`tools.tool_plan`).
+A chat choice's text is shaped by `chat.output.ChoiceOutput`: reasoning split off by the server's
+`--reasoning-parser`, tool calls parsed out by the request's tool plan (`chat.tools.tool_plan`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from fastgen.outputs import Response
-from fastgen.serving.http.chat import render_chat_text
-from fastgen.serving.http.chat_output import ChoiceOutput, chat_message
+from fastgen.serving.http.chat.messages import render_chat_text
+from fastgen.serving.http.chat.output import ChoiceOutput, chat_message
 from fastgen.serving.http.gateway import generation_error
 from fastgen.serving.http.guard import ApiError, read_json_object
 from fastgen.serving.http.logprobs import chat_logprobs, completion_logprobs, echo_entries, vllm_prompt_logprobs

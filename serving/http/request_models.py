@@ -130,7 +130,7 @@ STRUCTURED_FIELDS: dict[str, Any] = {
 
 TOOL_FIELDS: dict[str, Any] = {"tools": list[Any], "tool_choice": str | dict[str, Any],
                                "parallel_tool_calls": StrictBool}
-"""Tool calling on chat (`serving/http/tools.py` checks them into a plan)."""
+"""Tool calling on chat (`serving/http/chat/tools.py` checks them into a plan)."""
 
 OPENAI_SAMPLING_FIELDS = ("n", "stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
                           "repetition_penalty", "ignore_eos", "stop_token_ids", "min_p", "logit_bias", "bad_words",

@@ -17,8 +17,8 @@ from fastapi.responses import Response as HTTPResponse
 from pydantic import BaseModel
 
 from fastgen import __version__
+from fastgen.serving.http.chat.messages import ChatPrompt, chat_prompt, render_chat
 from fastgen.serving.http.guard import ApiError, read_json_object
-from fastgen.serving.http.chat import ChatPrompt, chat_prompt, render_chat
 from fastgen.serving.http.openai_params import ignored_notice, model_not_found
 from fastgen.serving.http.request_models import RequestModels, validate
 

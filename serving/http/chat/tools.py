@@ -19,9 +19,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from fastgen.serving.http.guard import ApiError
-from fastgen.serving.http.tool_parsers import TOOL_CALL_PARSERS, JsonCallsParser, ToolCallParser, \
+from fastgen.serving.http.chat.tool_parsers import TOOL_CALL_PARSERS, JsonCallsParser, ToolCallParser, \
     make_tool_call_parser
+from fastgen.serving.http.guard import ApiError
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _CHOICES = ("none", "auto", "required")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from fastgen.serving.http.reasoning import ReasoningSplitter
-from fastgen.serving.http.tool_parsers import CallDelta
-from fastgen.serving.http.tools import ToolPlan
+from fastgen.serving.http.chat.reasoning import ReasoningSplitter
+from fastgen.serving.http.chat.tool_parsers import CallDelta
+from fastgen.serving.http.chat.tools import ToolPlan
 
 
 class ChoiceOutput:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastgen.serving.http.tool_parsers import partial_suffix
+from fastgen.serving.http.chat.tool_parsers import partial_suffix
 
 START, END = "<think>", "</think>"
 
