@@ -199,6 +199,33 @@ def test_verification_rows_ride_the_static_bucket_path(tiny_checkpoints, hf_refe
     assert [r.token_ids for r in responses] == [tokens for tokens, _ in hf_reference(path, prompts, NUM_NEW)]
 
 
+def test_rows_adapt_their_draft_length_and_back_off_when_rejected():
+    from fastgen.engine.speculator import MAX_BACKOFF_STEPS, Speculator
+    from fastgen.engine.stop_rules import StopRules
+    from fastgen.engine.sequence import Sequence
+    from fastgen.planning.speculative import parse_speculative_config
+
+    speculator = Speculator(parse_speculative_config({**NGRAM, "num_speculative_tokens": 4}), StopRules())
+    seq = Sequence(7, "r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_new_tokens=100), 0, 0)
+    seq.num_computed_tokens = seq.num_tokens - 1  # a decode row
+    assert speculator.limit(seq) == 4
+    speculator.observe(7, 4, 2)  # two of four accepted: next time at most three
+    assert speculator.limit(seq) == 3
+    skipped = []
+    for _ in range(4):  # all rejected each time it drafts: it skips 1, then 2 steps
+        speculator.observe(7, 1, 0)
+        steps = 0
+        while not speculator.propose([seq]):
+            steps += 1
+            assert steps <= MAX_BACKOFF_STEPS
+        skipped.append(steps)
+    assert skipped == [1, 2, 4, 8]
+    speculator.observe(7, 1, 1)  # accepted again: no back-off, one more draft
+    assert speculator.limit(seq) == 2 and speculator.propose([seq])
+    speculator.release(set())
+    assert speculator.limit(seq) == 4
+
+
 def test_counters_reach_metrics_under_vllm_names():
     stats = SpecDecodeStats()
     stats.record(3, 2)

@@ -14,11 +14,20 @@ rows below their `min_new_tokens` or with `bad_words` (their bans depend on the 
 position): those decode without drafts, their tokens exactly what plain decoding gives. A row under a
 structured-output grammar keeps the drafts its grammar allows, and each verified position gets the
 grammar's mask after the drafts before it.
+
+Each row also adapts to what verification accepts of its own drafts: a row proposes at most one
+more draft than it had accepted last time (its `k` comes back as its drafts keep being accepted),
+and a row whose drafts were all rejected backs off (proposes nothing for 1, 2, 4, ... up to 16
+steps). Chat text, where lookup mostly proposes wrong tokens, thus decodes at nearly the plain rate,
+while copy-heavy text keeps drafting k tokens a step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+MAX_BACKOFF_STEPS = 16
+"""The longest a row whose drafts keep being rejected goes without proposing (steps)."""
 
 from fastgen.engine.draft_proposer import DraftModelProposer
 from fastgen.engine.ngram_proposer import NgramProposer
@@ -58,6 +67,18 @@ class SpecDecodeStats:
             self.accepted_per_position[position] += 1
 
 
+@dataclass(slots=True)
+class _RowState:
+    """How one sequence's drafts fared: its next draft length and its back-off."""
+
+    max_drafts: int
+    """Drafts it may propose next (1 more than it had accepted, up to k)."""
+    backoff: int = 0
+    """Steps it skips after its last all-rejected verification (doubles each time, to MAX_BACKOFF_STEPS)."""
+    skip: int = 0
+    """Steps left to skip."""
+
+
 class Speculator:
     """Proposes draft tokens for a step's decode rows (n-gram lookup or a draft model) and counts
     what verification accepted."""
@@ -76,6 +97,7 @@ class Speculator:
         self.ngram = None if draft_model is not None else NgramProposer(
             self.k, config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecDecodeStats()
+        self._rows: dict[int, _RowState] = {}
 
     def limit(self, seq: Sequence) -> int:
         """How many drafts `seq` may verify next step: k, fewer near its length limits (the bonus
@@ -83,7 +105,8 @@ class Speculator:
         params = seq.params
         if seq.bad_words_ids or len(seq.output_token_ids) < params.min_new_tokens or seq.num_pending_tokens != 1:
             return 0
-        limit = self.k
+        state = self._rows.get(seq.seq_id)
+        limit = self.k if state is None else (0 if state.skip else state.max_drafts)
         max_len = self.stop_rules.max_length(seq)
         if max_len is not None:
             limit = min(limit, max_len - seq.num_tokens - 1)
@@ -98,6 +121,10 @@ class Speculator:
         if not decode_rows or (disable is not None and len(decode_rows) > disable):
             return {}
         limits = [self.limit(seq) for seq in decode_rows]
+        for seq in decode_rows:  # this step counts towards each backing-off row's skip
+            state = self._rows.get(seq.seq_id)
+            if state is not None and state.skip:
+                state.skip -= 1
         if self.draft_model is not None:
             drafts = self.draft_model.propose(decode_rows, limits)
         else:
@@ -107,7 +134,24 @@ class Speculator:
                   for seq, draft in zip(decode_rows, drafts)]
         return {seq.seq_id: draft for seq, draft in zip(decode_rows, drafts) if draft}
 
+    def observe(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
+        """What verification accepted of one row's drafts: counted, and the row's next draft length
+        and back-off set from it (see the module)."""
+        self.stats.record(num_drafts, num_accepted)
+        if num_drafts == 0:
+            return
+        state = self._rows.setdefault(seq_id, _RowState(self.k))
+        state.max_drafts = min(self.k, num_accepted + 1)
+        if num_accepted:
+            state.backoff = 0
+        else:
+            state.backoff = min(MAX_BACKOFF_STEPS, max(1, 2 * state.backoff))
+            state.skip = state.backoff
+
     def release(self, keep: set[int]) -> None:
-        """Forget the draft model's KV of every sequence not in `keep` (not running any more)."""
+        """Forget the row state, and the draft model's KV, of every sequence not in `keep` (not
+        running any more)."""
+        for seq_id in [s for s in self._rows if s not in keep]:
+            del self._rows[seq_id]
         if self.draft_model is not None:
             self.draft_model.release(keep)

@@ -160,8 +160,8 @@ class StepExecutor:
             return [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs]
         tokens, logprobs = verify_rows(self.rejection_sampler, logits, seqs, drafts, self.vocab_size,
                                        self.stop_rules, self.structured_outputs)
-        for draft, emitted in zip(drafts, tokens):
-            self.speculator.stats.record(len(draft), len(emitted) - 1)
+        for seq, draft, emitted in zip(seqs, drafts, tokens):
+            self.speculator.observe(seq.seq_id, len(draft), len(emitted) - 1)
         return tokens, logprobs
 
     @staticmethod
