@@ -30,6 +30,12 @@ def _without_raw_control_characters(grammar: xgrammar.Grammar) -> xgrammar.Gramm
     return xgrammar.Grammar.from_ebnf(text.replace(_LENGTH_BOUNDED_CHAR, _JSON_STRING_CHAR))
 
 
+MAX_JSON_WHITESPACE = 20
+"""The longest whitespace run JSON may hold between its tokens: room for pretty-printed indentation,
+but a small model sampled at temperature 1 can no longer fall into newlines until max_tokens (xgrammar
+allows a run of any length otherwise)."""
+
+
 class XGrammarMatcher:
     """A `Matcher` over an xgrammar `GrammarMatcher`."""
 
@@ -76,7 +82,8 @@ class XGrammarBackend:
         try:
             if spec.kind in ("json", "json_object"):
                 schema = JSON_OBJECT_SCHEMA if spec.kind == "json_object" else spec.json
-                grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=not spec.disable_any_whitespace)
+                grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=not spec.disable_any_whitespace,
+                                                            max_whitespace_cnt=MAX_JSON_WHITESPACE)
                 return _without_raw_control_characters(grammar)
             if spec.kind == "regex":
                 return xgrammar.Grammar.from_regex(spec.regex)
