@@ -50,7 +50,7 @@ def test_compiled_equals_eager_without_recompiling(model_type, tiny_checkpoints)
 
 # The families whose layers differ from each other (local/global rotaries, NoPE layers, a dense
 # layer before MoE ones) or whose norms span heads: one bucket keeps the compile cost down.
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma4_text", "olmo3", "smollm3", "granite", "glm4_moe",
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma4_text", "olmo2", "olmo3", "smollm3", "granite", "glm4_moe",
                                         "llama4_text"])
 def test_new_families_compiled_equal_eager(model_type, tiny_checkpoints):
     path = tiny_checkpoints[model_type]
