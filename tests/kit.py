@@ -327,6 +327,18 @@ class PagedRunner:
         return self.model.compute_logits(hidden)
 
 
+def run_to_end(engine, prompts: list[list[int]], params, max_steps: int) -> list:
+    """Queue every prompt on `engine` and step it until all are done (asserting it takes fewer than
+    `max_steps` steps); returns each prompt's first `Sequence`, in prompt order."""
+    seqs = [engine.sequences(engine.add_request(p, params))[0] for p in prompts]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        assert steps < max_steps
+    return seqs
+
+
 def cpu_plan(path: str, **overrides) -> Plan:
     """The policy's plan for the checkpoint at `path` on this CPU, with `overrides` (engine keywords):
     what a test builds a `RunnerSpec` from when it drives a runner without an engine."""

@@ -11,7 +11,7 @@ import torch
 
 from fastgen import EngineConfig, SamplingParams
 from fastgen.engine import Engine
-from kit import TINY_CONFIGS
+from kit import TINY_CONFIGS, run_to_end
 
 NUM_NEW = 24
 TOKEN_BUDGET = 16
@@ -39,12 +39,7 @@ def test_engine_greedy_equals_hf_with_preemption_and_prefix_hits(model_type, con
     prompts = _workload(engine.tokenizer)
     assert len(prompts) >= 32 and max(map(len, prompts)) >= 3 * TOKEN_BUDGET
     params = SamplingParams(do_sample=False, max_new_tokens=NUM_NEW, logprobs=1)
-    seqs = [engine.sequences(engine.add_request(p, params))[0] for p in prompts]
-    steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-        assert steps < 2000
+    seqs = run_to_end(engine, prompts, params, max_steps=2000)
     assert sum(s.num_preemptions for s in seqs) > 0, "the KV cache was meant to force preemption"
     assert sum(s.num_cached_prompt_tokens for s in seqs[-4:]) > 0, "the shared prefix was meant to hit the cache"
     assert engine.block_manager.num_free_blocks == 40

@@ -18,6 +18,7 @@ from fastgen import EngineConfig, SamplingParams
 from fastgen.engine import Engine
 from fastgen.engine.speculator import SpecDecodeStats
 from fastgen.serving.metrics import ServingMetrics
+from kit import run_to_end
 from test_gguf import _smollm2_path
 
 NUM_NEW = 24
@@ -41,16 +42,6 @@ def _prompts(tokenizer) -> list[list[int]]:
     return prompts
 
 
-def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
-    seqs = [engine.sequences(engine.add_request(p, params))[0] for p in prompts]
-    steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-        assert steps < 3000
-    return seqs
-
-
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_greedy_with_speculation_equals_hf(model_type, method, tiny_checkpoints, hf_reference):
@@ -60,7 +51,8 @@ def test_greedy_with_speculation_equals_hf(model_type, method, tiny_checkpoints,
                                              progress=False, speculative_config=speculative))
     engine.eos_token_ids = set()
     prompts = _prompts(engine.tokenizer)
-    seqs = _run(engine, prompts, SamplingParams(do_sample=False, max_new_tokens=NUM_NEW, logprobs=1))
+    seqs = run_to_end(engine, prompts, SamplingParams(do_sample=False, max_new_tokens=NUM_NEW, logprobs=1),
+                      max_steps=3000)
     assert sum(s.num_preemptions for s in seqs) > 0, "the KV cache was meant to force preemption"
     assert sum(s.num_cached_prompt_tokens for s in seqs[-3:]) > 0, "the shared prefix was meant to hit the cache"
     assert engine.block_manager.num_free_blocks == 28
@@ -223,6 +215,17 @@ def test_rows_adapt_their_draft_length_and_back_off_when_rejected():
     assert speculator.limit(seq) == 2 and speculator.propose([seq])
     speculator.release(set())
     assert speculator.limit(seq) == 4
+
+
+def test_a_speculator_refuses_a_draft_model_its_method_does_not_name():
+    from fastgen.engine.speculator import Speculator
+    from fastgen.engine.stop_rules import StopRules
+    from fastgen.planning.speculative import parse_speculative_config
+
+    with pytest.raises(ValueError, match="'draft_model' needs draft model"):
+        Speculator(parse_speculative_config({"model": "x", "num_speculative_tokens": 2}), StopRules())
+    with pytest.raises(ValueError, match="'ngram' takes no draft model"):
+        Speculator(parse_speculative_config(NGRAM), StopRules(), draft_model=object())
 
 
 def test_counters_reach_metrics_under_vllm_names():

@@ -122,9 +122,6 @@ class Engine:
         if self.long_rope is not None:
             raise NotImplementedError("speculative_config with a LongRoPE model (Phi-3 long context) is not "
                                       "implemented yet: drafts may cross original_max_position_embeddings")
-        if (speculative.model is None) != (draft_runner is None):
-            raise ValueError("speculative_config and draft_runner disagree: build the runner with "
-                             "fastgen.engine.builder.build_runner(config, plan)")
         draft = None if draft_runner is None else DraftModelProposer(
             draft_runner, draft_runner.spec.num_blocks, plan.block_size, speculative.num_speculative_tokens)
         return Speculator(speculative, self.stop_rules, draft)

@@ -88,8 +88,9 @@ class Speculator:
         """`config` is the plan's (its `disable_by_batch_size` set); `draft_model` proposes for
         method "draft_model" (required then, refused otherwise)."""
         if (config.method == "draft_model") != (draft_model is not None):
-            raise ValueError(f"speculative method {config.method!r} "
-                             f"{'needs' if draft_model is None else 'takes no'} draft model")
+            raise ValueError(f"speculative_config method {config.method!r} "
+                             f"{'needs' if draft_model is None else 'takes no'} draft model: build the engine's "
+                             "runners with fastgen.engine.builder.build_runner(config, plan)")
         self.config = config
         self.k = config.num_speculative_tokens
         self.stop_rules = stop_rules

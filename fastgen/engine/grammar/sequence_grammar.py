@@ -2,8 +2,9 @@
 
 The matcher is synced to the sequence's output ids before each use: it keeps the constrained
 tokens it accepted, rolls back those after the longest prefix they share with the output (a
-speculative draft rejected, a recompute that drops tokens) and accepts the output's tokens after it. So whatever the scheduler does to a sequence (preempt it, recompute its KV, fork it
-for `n`), its matcher describes exactly the tokens it has. With `start_after` (a reasoning model's
+speculative draft rejected, a recompute that drops tokens) and accepts the output's tokens after
+it. So whatever the scheduler does to a sequence (preempt it, recompute its KV, fork it for `n`),
+its matcher describes exactly the tokens it has. With `start_after` (a reasoning model's
 end-of-thinking token ids), the constraint applies only to the tokens after their first occurrence.
 """
 
