@@ -8,6 +8,7 @@ the model code sees one shape.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,26 @@ def parse_dtype(value: Any) -> torch.dtype | None:
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {value!r} (supported: float32, float16, bfloat16)")
     return _DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """One tensor of fixed-size state a layer keeps per sequence (a recurrent layer's conv window or
+    state matrix): the engine gives each running sequence one slot of a `[num_slots, *shape]` pool."""
+
+    shape: tuple[int, ...]
+    """Per-sequence shape over all tensor-parallel ranks."""
+    dtype: torch.dtype | None = None
+    """Storage dtype; None = the model's (a recurrence's state matrix asks for float32)."""
+    split_dim: int = 0
+    """The dimension tensor-parallel ranks split evenly (their heads' channels)."""
+
+    def shape_per_rank(self, tensor_parallel: int) -> tuple[int, ...]:
+        """This tensor's per-sequence shape on one of `tensor_parallel` ranks."""
+        size = self.shape[self.split_dim]
+        if size % tensor_parallel:
+            raise ValueError(f"tensor_parallel {tensor_parallel} must divide the recurrent state's {size} channels")
+        return tuple(d // tensor_parallel if i == self.split_dim else d for i, d in enumerate(self.shape))
 
 
 @dataclass(slots=True)
@@ -87,6 +108,10 @@ class ModelConfig:
     """Per layer, for a family whose layers cache differently (Gemma 4; set by its `model_config`):
     `(KV heads, head_dim)` of the K and V the layer caches, or None for a layer that attends another
     layer's cache and owns none. Empty: every layer caches `(num_kv_heads, head_dim)`."""
+    layer_states: list[tuple[StateSpec, ...]] = field(default_factory=list)
+    """Per layer, for a hybrid family (set by its `model_config`): the per-sequence state tensors the
+    layer keeps instead of K/V (Gated DeltaNet's conv window and delta-rule state), `()` for a layer
+    that keeps none. Empty: no layer keeps state (the model needs no state slots)."""
     dtype: torch.dtype | None = None
     """dtype the checkpoint was saved in, None if the config does not say."""
     eos_token_id: list[int] = field(default_factory=list)
@@ -105,7 +130,9 @@ class ModelConfig:
             raise ValueError("config.json has no 'model_type'")
         text = raw.get("text_config")
         if isinstance(text, dict) and "hidden_size" not in raw:
-            raw = {**text, "model_type": raw["model_type"]}
+            # A multimodal checkpoint: its text model, with the top level's word on tying (what its head does).
+            tied = {"tie_word_embeddings": raw["tie_word_embeddings"]} if "tie_word_embeddings" in raw else {}
+            raw = {**text, **tied, "model_type": raw["model_type"]}
         raw = _with_key_aliases(raw)
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in raw]
         if missing:
@@ -179,6 +206,25 @@ class ModelConfig:
             kv_heads = kv_heads_per_rank(heads, size)
             shapes.append(((kv_heads, width), (kv_heads, width)))
         return shapes
+
+    @property
+    def has_state(self) -> bool:
+        """Whether some layer keeps a per-sequence state (a hybrid model: each running sequence needs a slot)."""
+        return any(self.layer_states)
+
+    def layer_state_shapes(self, tensor_parallel: int | None = None
+                           ) -> list[tuple[tuple[tuple[int, ...], torch.dtype | None], ...]]:
+        """Per layer, `(per-sequence shape, dtype or None for the model's)` of each state tensor one rank
+        keeps (`()` for a layer without state): what the runner allocates `[num_slots, *shape]` of."""
+        size = self.parallel.size if tensor_parallel is None else tensor_parallel
+        if not self.layer_states:
+            return [()] * self.num_layers
+        return [tuple((spec.shape_per_rank(size), spec.dtype) for spec in layer) for layer in self.layer_states]
+
+    def state_bytes_per_seq(self, dtype: torch.dtype, tensor_parallel: int | None = None) -> int:
+        """Bytes of one sequence's state over all layers on one rank (`dtype` for tensors of the model's dtype)."""
+        return sum(math.prod(shape) * torch.empty((), dtype=state_dtype or dtype).element_size()
+                   for layer in self.layer_state_shapes(tensor_parallel) for shape, state_dtype in layer)
 
     def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel: int | None = None) -> int:
         """KV-cache bytes of one token over all layers on one rank, in `dtype` (`layer_kv_cache_shapes`)."""

@@ -135,9 +135,15 @@ class MergedLinear(nn.Linear):
         """This rank's rows of checkpoint shard `shard` (None: the whole merged tensor arrives fused)."""
         if shard is not None:
             return read_slice(full, 0, self.shard_starts[shard], self.output_sizes[shard])
-        offsets = [sum(self.full_sizes[:i]) for i in range(len(self.full_sizes))]
-        return torch.cat([read_slice(full, 0, off + start, size)
-                          for off, start, size in zip(offsets, self.shard_starts, self.output_sizes)])
+        return read_merged_rows(full, self.full_sizes, self.shard_starts, self.output_sizes)
+
+
+def read_merged_rows(full, full_sizes: list[int], shard_starts: list[int], output_sizes: list[int]) -> torch.Tensor:
+    """This rank's rows of a checkpoint tensor that stacks several pieces (`full_sizes` rows each):
+    `output_sizes[i]` rows of piece `i` from its row `shard_starts[i]`, concatenated."""
+    offsets = [sum(full_sizes[:i]) for i in range(len(full_sizes))]
+    return torch.cat([read_slice(full, 0, off + start, size)
+                      for off, start, size in zip(offsets, shard_starts, output_sizes)])
 
 
 def qkv_linear(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,

@@ -22,6 +22,7 @@ from fastgen.models.olmo import OlmoForCausalLM
 from fastgen.models.opt import OPTForCausalLM
 from fastgen.models.phi import PhiForCausalLM
 from fastgen.models.phi3 import Phi3ForCausalLM
+from fastgen.models.qwen3_5 import Qwen3_5ForCausalLM
 from fastgen.models.qwen_moe import QwenMoeForCausalLM
 
 MODEL_REGISTRY: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
@@ -50,6 +51,11 @@ MODEL_REGISTRY: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "llama4_text": Llama4ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
     "kimi_k2": DeepseekV3ForCausalLM,
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_5": Qwen3_5ForCausalLM,
+    "qwen3_5_moe_text": Qwen3_5ForCausalLM,
+    "qwen3_5_moe": Qwen3_5ForCausalLM,
+    "qwen3_next": Qwen3_5ForCausalLM,
 })
 """Every supported `model_type` and the class that serves it."""
 

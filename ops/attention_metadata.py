@@ -30,6 +30,10 @@ class AttentionMetadata:
     long_rope: torch.Tensor | None = None
     """bool `[T]`: the token's rotary embedding takes LongRoPE's long factors (attention itself ignores
     it; it rides here because every layer already receives this step's metadata). None: by position."""
+    state_slots: torch.Tensor | None = None
+    """int32 `[S]`: the recurrent-state slot of each sequence, for layers that keep a fixed-size state per
+    sequence instead of K/V (hybrid models' linear attention); -1 where a sequence has none. None: the
+    step carries no slots (attention layers never read them)."""
     step_plans: dict = field(default_factory=dict)
     """What eager layers work out from this metadata once per step and every layer reuses (host copies
     of the offsets, the resolved KV slots, the CPU decode plans, the rotary cos/sin rows of the step's

@@ -187,6 +187,24 @@ TINY_CONFIGS: dict[str, tuple[type, dict]] = {
              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
     ),
+    # Hybrid: Gated DeltaNet layers (a recurrent state per sequence: conv window of 3, 4 value heads
+    # grouped 2 per key head) then gated full attention with zero-centred q/k norms and a quarter of
+    # head_dim rotated.
+    "qwen3_5_text": (
+        transformers.Qwen3_5TextConfig,
+        dict(head_dim=32, layer_types=["linear_attention", "linear_attention", "full_attention"], num_hidden_layers=3,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+             linear_conv_kernel_dim=4, partial_rotary_factor=0.25),
+    ),
+    # Qwen3.5's layers with Qwen3-Next's fused, per-key-head grouped projections, and the MoE block
+    # (top-2 of 8, renormalised, gated shared expert) on layer 0 only (mlp_only_layers).
+    "qwen3_next": (
+        transformers.Qwen3NextConfig,
+        dict(head_dim=32, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+             mlp_only_layers=[1], norm_topk_prob=True, partial_rotary_factor=0.25),
+    ),
 }
 
 
@@ -264,6 +282,10 @@ def rewrite_config(path: str, **changes) -> None:
         json.dump(cfg, f, indent=2)
 
 
+MAX_STATE_SLOTS = 64
+"""Recurrent-state slots `PagedRunner` allocates (NaN-filled: a first chunk must never read its slot)."""
+
+
 @dataclass
 class PagedSeq:
     """One sequence driven through the paged KV cache by `PagedRunner`."""
@@ -271,6 +293,7 @@ class PagedSeq:
     token_ids: list[int]
     blocks: list[int]
     num_computed_tokens: int = 0
+    state_slot: int = 0
 
 
 class PagedRunner:
@@ -287,14 +310,20 @@ class PagedRunner:
         self.backend = backend
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
+        # A layer's cache: its K/V blocks, then the pools of its per-sequence state (hybrid models), a
+        # slot per sequence in the order `add` creates them.
         self.kv_caches = [tuple(torch.zeros(num_blocks, block_size, heads, width, dtype=dtype)
                                 for heads, width in shapes)
-                          for shapes in cfg.layer_kv_cache_shapes()]
+                          + tuple(torch.full((MAX_STATE_SLOTS, *shape), float("nan"), dtype=state_dtype or dtype)
+                                  for shape, state_dtype in states)
+                          for shapes, states in zip(cfg.layer_kv_cache_shapes(), cfg.layer_state_shapes())]
+        self.num_seqs = 0
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
 
     def add(self, token_ids: list[int]) -> PagedSeq:
-        """A new sequence holding `token_ids`, nothing computed yet."""
-        return PagedSeq(list(token_ids), [])
+        """A new sequence holding `token_ids`, nothing computed yet (and a state slot of its own)."""
+        self.num_seqs += 1
+        return PagedSeq(list(token_ids), [], state_slot=(self.num_seqs - 1) % MAX_STATE_SLOTS)
 
     @torch.inference_mode()
     def step(self, chunks: list[tuple[PagedSeq, int]]) -> torch.Tensor:
@@ -320,6 +349,7 @@ class PagedRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc=torch.tensor(starts, dtype=torch.int32),
             backend=self.backend,
+            state_slots=torch.tensor([seq.state_slot for seq, _ in chunks], dtype=torch.int32),
         )
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), md, self.kv_caches)
         for seq, n in chunks:

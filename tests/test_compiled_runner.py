@@ -25,7 +25,7 @@ def _generate(path: str, **options) -> tuple[list[list[int]], fastgen.Pipeline]:
     return [r.token_ids for r in out], pipe
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3_5_text"])
 def test_padded_buckets_equal_exact_shapes(model_type, tiny_checkpoints):
     path = tiny_checkpoints[model_type]
     exact, _ = _generate(path)
@@ -51,7 +51,7 @@ def test_compiled_equals_eager_without_recompiling(model_type, tiny_checkpoints)
 # The families whose layers differ from each other (local/global rotaries, NoPE layers, a dense
 # layer before MoE ones) or whose norms span heads: one bucket keeps the compile cost down.
 @pytest.mark.parametrize("model_type", ["gemma3_text", "gemma4_text", "olmo2", "olmo3", "smollm3", "granite", "glm4_moe",
-                                        "llama4_text"])
+                                        "llama4_text", "qwen3_next"])
 def test_new_families_compiled_equal_eager(model_type, tiny_checkpoints):
     path = tiny_checkpoints[model_type]
     eager, _ = _generate(path)
@@ -63,7 +63,7 @@ def test_new_families_compiled_equal_eager(model_type, tiny_checkpoints):
     assert counters["stats"]["unique_graphs"] == graphs_after_warmup, "serving recompiled after warm-up"
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3_5_text"])
 def test_symbolic_compile_serves_every_step_size(model_type, tiny_checkpoints):
     """The CPU plan's choice: no buckets, the decoder layer compiled once with symbolic sizes."""
     path = tiny_checkpoints[model_type]
@@ -107,18 +107,19 @@ def test_pick_bucket():
 def test_static_buffers_pad_and_clear_stale_columns():
     buf = StaticBuffers(max_tokens=8, max_seqs=4, max_blocks_per_seq=5, device=torch.device("cpu"))
     long_step = HostStepInputs(list(range(8)), list(range(8)), list(range(8)), [[1, 2, 3, 4, 5]], [8], [0, 8],
-                               [True] * 8, [7])
+                               [True] * 8, [3], [7])
     buf.fill(long_step, 8)
     short = HostStepInputs([9, 10, 11], [4, 0, 1], [17, 20, 21], [[4, 5], [6]], [5, 2], [0, 1, 3],
-                           [False, True, True], [0, 2])
+                           [False, True, True], [1, 0], [0, 2])
     buf.fill(short, 4)
-    ids, pos, slots, tables, seq_lens, qsl, long_rope = buf.views(4)
+    ids, pos, slots, tables, seq_lens, qsl, long_rope, state_slots = buf.views(4)
     assert ids.tolist() == [9, 10, 11, 0] and pos.tolist() == [4, 0, 1, 0]
     assert slots.tolist() == [17, 20, 21, -1]
     assert seq_lens.tolist() == [5, 2, 0, 0]
     assert qsl.tolist() == [0, 1, 3, 3, 3]
     assert long_rope.tolist() == [False, True, True, False]  # the long step's stale flag is padded away
     assert tables.tolist() == [[4, 5, 0, 0, 0], [6, 0, 0, 0, 0], [0] * 5, [0] * 5]
+    assert state_slots.tolist() == [1, 0, -1, -1]  # the long step's slot 3 padded away
     buf.fill(None, 2)
     assert buf.views(2).slot_mapping.tolist() == [-1, -1] and buf.views(2).seq_lens.tolist() == [0, 0]
 

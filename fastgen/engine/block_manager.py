@@ -15,6 +15,13 @@ keys stay small (no nested tuples re-hashed on every lookup).
 
 A block is in exactly one of three states: referenced (ref count > 0), cached (ref count 0 but
 still registered: findable, evictable in LRU order) or free (ref count 0, unregistered).
+
+A hybrid model (linear-attention layers beside attention) also keeps a fixed-size recurrent state per
+sequence: with ``num_state_slots`` the manager hands each sequence one state slot with its first
+blocks and takes it back when it frees them, so a slot is one more resource a step can run out of,
+with the same answer (wait, or preempt). Such a state exists only after a sequence's last computed
+token, never at a block boundary, so there is nothing for a prefix-cache hit or a forked choice to
+resume from: prefix caching is refused and ``fork`` shares no blocks.
 """
 
 from __future__ import annotations
@@ -72,6 +79,8 @@ class _SeqBlocks:
     """Token slots covered with KV (or about to be, after the current step)."""
     root: int = _ROOT
     """Parent node of the first block: the sequence's prefix-cache namespace."""
+    state_slot: int = -1
+    """The sequence's recurrent-state slot (-1: none yet, or the model keeps no state)."""
 
 
 class BlockManager:
@@ -82,10 +91,17 @@ class BlockManager:
     LRU order tail first, so the shared heads of prefixes outlive their tails.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        """Create a manager over ``num_blocks`` blocks of ``block_size`` slots, all free."""
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0) -> None:
+        """Create a manager over ``num_blocks`` blocks of ``block_size`` slots, all free, and
+        ``num_state_slots`` recurrent-state slots (0: the model keeps no state)."""
         self.num_blocks = _check_int("num_blocks", num_blocks, 1)
         self.block_size = _check_int("block_size", block_size, 1)
+        self.num_state_slots = _check_int("num_state_slots", num_state_slots, 0)
+        if num_state_slots and enable_prefix_caching:
+            raise ValueError("prefix caching cannot serve a model with recurrent-state slots: a cached block holds "
+                             "no recurrent state to resume from")
+        self._free_state_slots: deque[int] = deque(range(num_state_slots - 1, -1, -1))
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.stats = PrefixCacheStats()
         self._ref_counts = [0] * num_blocks
@@ -104,6 +120,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now: truly free plus cached-but-unreferenced."""
         return len(self._free) + len(self._evictable)
+
+    @property
+    def num_free_state_slots(self) -> int:
+        """Recurrent-state slots not held by any sequence."""
+        return len(self._free_state_slots)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -154,6 +175,8 @@ class BlockManager:
         """Whether ``allocate(seq_id, ..., num_tokens)`` would succeed now."""
         seq = self._seqs.get(seq_id)
         have = len(seq.blocks) if seq is not None else 0
+        if self.num_state_slots and (seq is None or seq.state_slot < 0) and not self._free_state_slots:
+            return False
         return self.blocks_needed(num_tokens) - have <= self.num_free_blocks
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int, namespace: int = 0,
@@ -178,6 +201,8 @@ class BlockManager:
         if not self.can_allocate(seq_id, num_tokens + num_lookahead):
             return False
         seq = self._seqs.setdefault(seq_id, _SeqBlocks(root=_root(namespace)))
+        if self.num_state_slots and seq.state_slot < 0:
+            seq.state_slot = self._free_state_slots.pop()
         for _ in range(self.blocks_needed(num_tokens + num_lookahead) - len(seq.blocks)):
             seq.blocks.append(self._take_block())
         seq.num_tokens = max(seq.num_tokens, num_tokens)
@@ -189,6 +214,10 @@ class BlockManager:
         """The prefix-cache namespace of ``seq_id``'s blocks (None: it has no block table)."""
         seq = self._seqs.get(seq_id)
         return None if seq is None else _ROOT - seq.root
+
+    def state_slot(self, seq_id: int) -> int:
+        """The recurrent-state slot of ``seq_id`` (-1 when the model keeps no state)."""
+        return self._get(seq_id).state_slot
 
     def block_table(self, seq_id: int) -> list[int]:
         """A copy of the block table of ``seq_id``."""
@@ -211,7 +240,7 @@ class BlockManager:
 
         The partially filled last block is never shared (both sequences would write into it).
         Returns the number of shared tokens: a multiple of ``block_size``, at most
-        ``num_tokens - 1``.
+        ``num_tokens - 1``; 0 with state slots (the child computes its own state from the start).
         """
         parent = self._get(parent_id)
         _check_int("child_id", child_id)
@@ -223,7 +252,7 @@ class BlockManager:
                 f"num_tokens {num_tokens} exceeds the {parent.num_tokens} tokens allocated "
                 f"to parent_id {parent_id}"
             )
-        shared = (num_tokens - 1) // self.block_size
+        shared = 0 if self.num_state_slots else (num_tokens - 1) // self.block_size
         child = _SeqBlocks(parent.blocks[:shared], parent.nodes[:shared], shared * self.block_size, parent.root)
         for block in child.blocks:
             self._ref_counts[block] += 1  # already referenced by the parent, so never evictable
@@ -235,6 +264,8 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
+        if seq.state_slot >= 0:
+            self._free_state_slots.append(seq.state_slot)
         # Tail first, so that eviction takes a prefix's tail before its (more shareable) head.
         for block in reversed(seq.blocks):
             self._ref_counts[block] -= 1

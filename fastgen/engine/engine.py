@@ -81,7 +81,10 @@ class Engine:
         self.model_dir, self.model_config, self.device = spec.model_dir, runner.config, runner.device
         self.dtype, self.block_size, self.max_model_len = plan.dtype, plan.block_size, spec.max_model_len
         self.vocab_size = self.model_config.vocab_size
-        self.block_manager = BlockManager(spec.num_blocks, plan.block_size, self.config.enable_prefix_caching)
+        # The plan's reason for state_slots says why a hybrid model runs without prefix caching.
+        self.block_manager = BlockManager(spec.num_blocks, plan.block_size,
+                                          self.config.enable_prefix_caching and not plan.state_slots,
+                                          num_state_slots=plan.state_slots)
         self.long_rope = long_rope_switch(runner.model)
         namespace = None if self.long_rope is None else functools.partial(long_rope_namespace, self.long_rope)
         self.stop_rules = StopRules(eos_token_ids, self.max_model_len)

@@ -115,10 +115,13 @@ class ModelRunner:
         self.buckets = sorted(set(buckets))
         self.compile_mode = compile
         self.cuda_graphs = cuda_graphs
-        # The model's own config: its family decides each layer's cache (none for a layer that reads another's).
+        # The model's own config: its family decides each layer's cache (none for a layer that reads another's):
+        # its K/V blocks, then the pools of whatever per-sequence state it keeps (a slot per sequence).
         self.kv_caches = [
             tuple(allocate_kv_cache(num_blocks, block_size, heads, width, dtype, device) for heads, width in shapes)
-            for shapes in model.config.layer_kv_cache_shapes()
+            + tuple(torch.zeros((plan.state_slots, *shape), dtype=state_dtype or dtype, device=device)
+                    for shape, state_dtype in states)
+            for shapes, states in zip(model.config.layer_kv_cache_shapes(), model.config.layer_state_shapes())
         ]
         self.buffers = None
         if self.buckets:

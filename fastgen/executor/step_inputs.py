@@ -44,12 +44,15 @@ class StepTensors(NamedTuple):
     long_rope: Tensor
     """[T] bool: the token is rotated with LongRoPE's long factors (padding: False; ignored by
     models without LongRoPE)."""
+    state_slots: Tensor
+    """[S] int32 recurrent-state slot of each sequence (padding: -1; -1 too for models without state,
+    whose layers never read it)."""
 
     def metadata(self, backend: str) -> AttentionMetadata:
         """The attention metadata of this step."""
         return AttentionMetadata(slot_mapping=self.slot_mapping, block_tables=self.block_tables,
                                  seq_lens=self.seq_lens, query_start_loc=self.query_start_loc, backend=backend,
-                                 long_rope=self.long_rope)
+                                 long_rope=self.long_rope, state_slots=self.state_slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,7 @@ STEP_FIELDS: dict[str, FieldSpec] = {
     "seq_lens": FieldSpec(torch.int32, "seqs", 0),
     "query_start_loc": FieldSpec(torch.int32, "seqs+1", 0),
     "long_rope": FieldSpec(torch.bool, "tokens", 0),
+    "state_slots": FieldSpec(torch.int32, "seqs", -1),
 }
 """The step tensors, in `StepTensors` order."""
 assert tuple(STEP_FIELDS) == StepTensors._fields
@@ -100,6 +104,8 @@ class HostStepInputs:
     long_rope: list[bool]
     """Whether each token takes LongRoPE's long factors `[T]` (`LongRopeSwitch`: its sequence has
     outgrown `original_max_position_embeddings`)."""
+    state_slots: list[int]
+    """Recurrent-state slot of each sequence `[S]` (-1: the model keeps no state)."""
     logits_indices: list[int]
     """Token rows whose logits are computed, per chunk in order: the positions whose logits score
     the next prompt token (the rows of a request that asked for prompt logprobs), then its last
@@ -108,7 +114,7 @@ class HostStepInputs:
     @classmethod
     def empty(cls) -> HostStepInputs:
         """A step with no tokens yet (`query_start_loc` holds its leading 0)."""
-        return cls([], [], [], [], [], [0], [], [])
+        return cls([], [], [], [], [], [0], [], [], [])
 
     @classmethod
     def padding(cls, num_tokens: int, num_seqs: int) -> HostStepInputs:
@@ -118,7 +124,7 @@ class HostStepInputs:
         pads = {name: spec.pad for name, spec in STEP_FIELDS.items()}
         tokens = {name: [pad] * num_tokens for name, pad in pads.items() if STEP_FIELDS[name].rows == "tokens"}
         return cls(**tokens, block_tables=[[0]] * num_seqs, seq_lens=[0] * num_seqs,
-                   query_start_loc=[0] + [num_tokens] * num_seqs, logits_indices=[])
+                   query_start_loc=[0] + [num_tokens] * num_seqs, state_slots=[-1] * num_seqs, logits_indices=[])
 
     @property
     def num_tokens(self) -> int:

@@ -163,6 +163,11 @@ class Plan:
         "sequences per step (FastGen's max_ragged_sequence_count), at most token_budget", "int | None", int,
         _check_positive_int)
     block_size: int = plan_field("KV block size in tokens", "int | None", int, _check_positive_int)
+    state_slots: int = plan_field(
+        "recurrent-state slots of a hybrid model (Qwen3.5, Qwen3-Next: linear-attention layers that keep a "
+        "fixed-size state per sequence instead of K/V), one per running sequence; 0 for a model without such "
+        "layers. The state cache is state_slots x the state of one sequence, beside the KV cache",
+        "int | None", int, _check_non_negative_int)
     kv_cache_memory: int = plan_field(
         "KV-cache size per device: bytes (int) or a fraction (float in (0, 1]) of the memory left after weights",
         "int | float | None", parse_memory, _check_memory)

@@ -88,6 +88,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
                                                                            user))
     if "tensor_parallel" in user and user.get("offload") == "none":
         check_fits(hardware, weights, label, tp, reserve(tp))
+    state_slots = pick("state_slots", lambda: _choose_state_slots(model, dtype, tp, max_seqs))
+    _check_state_slots(model, state_slots)
     group = pick("quantization_group_size", lambda: choose_group_size(model, quant, tp))
     weights = model.weight_bytes(dtype, quant, group)
     replicas = pick("replica_num", lambda: _choose_replicas(hardware, tp))
@@ -136,6 +138,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     # With offload only weight_memory stays on the device; a "cpu" source on a CPU takes RAM besides.
     resident = weights if stream.offload == "none" else stream.weight_memory * tp
     room = kv_room(hardware, resident + (stream.host_bytes if cpu else 0), tp, reserve(tp))
+    room -= state_slots * model.config.state_bytes_per_seq(dtype, tp)
     kv = _choose_kv_memory(model, hardware, dtype, tp, room, max_seqs, block_size, user.get("kv_cache_memory"))
     reasons["kv_cache_memory"] = kv[1]
     spec = pick("speculative_config", lambda: (None, "off: no speculative_config given"))
@@ -146,7 +149,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     reasons = {name: reasons[name] for name in PLAN_FIELDS}
     return Plan(dtype=dtype, quantization=quant, quantization_group_size=group, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
                 buckets=tuple(buckets), token_budget=budget, context_per_budget_token=context, max_seqs=max_seqs,
-                block_size=block_size,
+                block_size=block_size, state_slots=state_slots,
                 kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory,
                 weight_prepack=prepack, gemv_weights=gemv, tensor_parallel=tp, replica_num=replicas,
                 speculative_config=spec, structured_outputs_backend=grammar, reasons=reasons)
@@ -231,9 +234,16 @@ def _choose_speculation(spec: SpeculativeConfig, model: ModelFacts, hw: Hardware
                         group: int, tp: int, max_seqs: int) -> tuple[SpeculativeConfig, str]:
     """The user's speculative_config checked against the model (a draft model's vocabulary) and with the
     decode batch above which it stops paying (`choose_disable_by_batch_size`)."""
+    if model.config.has_state:
+        raise ValueError(f"speculative decoding is not implemented for {model.model_type}, a hybrid model: verifying "
+                         "drafts advances each sequence's recurrent state over drafts that may be rejected, and "
+                         "undoing that needs a state snapshot per draft position")
     draft = None
     if spec.method == "draft_model":
         draft = model_facts(spec.model)
+        if draft.config.has_state:
+            raise ValueError(f"speculative_config.model {spec.model!r} is a hybrid model ({draft.model_type}): a "
+                             "draft model with recurrent-state layers is not implemented")
         if draft.vocab_size != model.vocab_size:
             raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of {draft.vocab_size} tokens, "
                              f"the target {model.vocab_size}: a draft model must share the target's vocabulary")
@@ -252,6 +262,28 @@ def _choose_speculation(spec: SpeculativeConfig, model: ModelFacts, hw: Hardware
     draft_quant = spec.quantization or "none"
     draft_time = step_time_model(draft.weight_bytes(dtype, draft_quant, group), draft.active_params, flops, stream)
     return choose_disable_by_batch_size(spec, target, draft_time, max_seqs, rates)
+
+
+def _choose_state_slots(model: ModelFacts, dtype: torch.dtype, tp: int, max_seqs: int) -> tuple[int, str]:
+    """One recurrent-state slot per sequence a step can hold, for a hybrid model; 0 otherwise."""
+    if not model.config.has_state:
+        return 0, "the model has no layer with a recurrent state"
+    per_seq = model.config.state_bytes_per_seq(dtype, tp)
+    layers = sum(1 for layer in model.config.layer_states if layer)
+    return max_seqs, (f"one per sequence a step holds (max_seqs): {max_seqs} x {format_bytes(per_seq)} (the conv "
+                      f"windows and fp32 state matrices of {layers} linear-attention layers) = "
+                      f"{format_bytes(max_seqs * per_seq)} beside the KV cache. Prefix caching and sharing a "
+                      "prompt's KV between the n choices of a request are off for this model: a sequence's state "
+                      "exists only after its last computed token, so a cached block has none to resume from")
+
+
+def _check_state_slots(model: ModelFacts, slots: int) -> None:
+    """Refuse a state_slots override the model cannot use or cannot run with."""
+    if model.config.has_state and slots < 1:
+        raise ValueError(f"state_slots must be at least 1 for {model.model_type}: each running sequence of a hybrid "
+                         "model needs one")
+    if not model.config.has_state and slots:
+        raise ValueError(f"state_slots must be 0 for {model.model_type}: it has no layer with a recurrent state")
 
 
 def _choose_dtype(model: ModelFacts, hw: Hardware) -> tuple[torch.dtype, str]:

@@ -1,6 +1,6 @@
 """Flattens a scheduled batch into the executor's `HostStepInputs` (the engine's side of the step
-contract: which tokens, at which positions, into which KV slots, with which LongRoPE factors, and
-whose logits are needed)."""
+contract: which tokens, at which positions, into which KV slots and recurrent-state slots, with which
+LongRoPE factors, and whose logits are needed)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ def build_host_inputs(chunks: list[ScheduledChunk], block_manager: BlockManager,
         out.seq_lens.append(stop)
         out.query_start_loc.append(out.query_start_loc[-1] + stop - start)
         out.block_tables.append(table)
+        out.state_slots.append(block_manager.state_slot(seq.seq_id))
         if chunk.samples:
             out.logits_indices.extend(range(out.query_start_loc[-1] - 1 - len(draft), out.query_start_loc[-1]))
     return out
