@@ -212,3 +212,47 @@ def test_bad_inputs_are_refused():
         causal_conv1d_prefill(torch.zeros(3, 6), torch.zeros(6, 4), torch.zeros(6, 4))
     with pytest.raises(ValueError, match="activation"):
         causal_conv1d_prefill(torch.zeros(3, 6), None, torch.zeros(6, 4), activation="gelu")
+
+
+def test_flat_batch_op_equals_each_sequence_alone():
+    """`fastgen::gated_delta_net` over one ragged step (a fresh prompt, a prompt's second chunk, two
+    decode rows, an empty padding row and a seq_len-0 padding row) against the whole sequences run one
+    by one through the conv and the chunked rule; slots nobody holds are left untouched."""
+    from fastgen.ops.gated_delta_batch import gated_delta_net
+
+    hk, hv, dk, dv, kernel = 2, 4, 8, 4, 4
+    conv_dim = 2 * hk * dk + hv * dv
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(conv_dim, kernel, generator=gen)
+    # (tokens before this step, tokens this step) per sequence; sequence i lives in slot 4 - i.
+    rows = [(0, 6), (5, 4), (9, 1), (1, 1)]
+    total = [before + now for before, now in rows]
+    xs = [torch.randn(n, conv_dim, generator=gen) for n in total]
+    gs = [_inputs(n, hk, hv, dk, dv, seed=10 + i)[3:] for i, n in enumerate(total)]
+    conv_pool = torch.full((5, conv_dim, kernel - 1), float("nan"))
+    state_pool = torch.full((5, hv, dk, dv), float("nan"))
+
+    def whole(i, end):
+        out, window = causal_conv1d_prefill(xs[i][:end], None, weight)
+        q, k, v = out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        g, beta = gs[i]
+        o, state = chunk_gated_delta_rule(q.reshape(end, hk, dk), k.reshape(end, hk, dk), v.reshape(end, hv, dv),
+                                          g[:end], beta[:end])
+        return o, window, state
+
+    for i, (before, _) in enumerate(rows):  # what earlier steps left in each slot
+        if before:
+            _, conv_pool[4 - i], state_pool[4 - i] = whole(i, before)
+    mixed = torch.cat([x[b:b + n] for x, (b, n) in zip(xs, rows)] + [torch.randn(3, conv_dim, generator=gen)])
+    g = torch.cat([gi[0][b:b + n] for gi, (b, n) in zip(gs, rows)] + [torch.zeros(3, hv)])
+    beta = torch.cat([gi[1][b:b + n] for gi, (b, n) in zip(gs, rows)] + [torch.zeros(3, hv)])
+    starts = [0, 6, 10, 11, 12, 12, 15]  # then an empty row, then 3 tokens in a seq_len-0 row
+    out = gated_delta_net(mixed, g, beta, weight, conv_pool, state_pool, torch.tensor(starts, dtype=torch.int32),
+                          torch.tensor(total + [0, 0], dtype=torch.int32),
+                          torch.tensor([4, 3, 2, 1, -1, -1], dtype=torch.int32), hk, dk, hv, dv)
+    for i, (before, now) in enumerate(rows):
+        expected, window, state = whole(i, before + now)
+        _close(out[starts[i]:starts[i] + now], expected[before:])
+        _close(conv_pool[4 - i], window)
+        _close(state_pool[4 - i], state)
+    assert out[12:].abs().sum() == 0 and conv_pool[0].isnan().all() and state_pool[0].isnan().all()
