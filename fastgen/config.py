@@ -94,6 +94,7 @@ if TYPE_CHECKING:
         context_per_budget_token: int | None = None
         max_seqs: int | None = None
         block_size: int | None = None
+        state_slots: int | None = None
         kv_cache_memory: int | float | None = None
         offload: str | None = None
         weight_memory: int | float | None = None

@@ -16,11 +16,21 @@ budget) in a fresh pipeline after an untimed warm-up:
   requests together; tok/s = generated tokens / wall time.
 A family far below llama's ratio has a slow path. Prints a table and writes JSON
 (bench_results/families.json). A measurement, not a test; name the machine (`lscpu`) with it.
+
+    .venv/bin/python scripts/bench_families.py --contexts 1024,8192,32768 --families llama,qwen3_5_text
+
+measures instead batch-1 decode after a long prompt: for each context, one prompt of that many random
+tokens is prefilled (timed apart) and then `--decode-tokens` tokens are decoded; tok/s = decoded
+tokens / decode time. Full attention reads every earlier token's K/V per new token, a linear layer
+only its fixed state, so a hybrid should slow far less with context. The checkpoints' config says
+`max_position_embeddings` 4096; this mode raises it to hold the longest context (weights do not
+depend on it; rotary without scaling).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -59,6 +69,10 @@ def _rope(local_theta: float, global_theta: float) -> dict:
 MOE = dict(moe_intermediate_size=512, num_experts_per_tok=2)
 """Routed experts: 2 of 8, 512 wide, active per token, plus what each family adds (a shared expert)."""
 
+LINEAR = dict(linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
+              linear_conv_kernel_dim=4)
+"""Gated DeltaNet sizes of the hybrid shapes."""
+
 FAMILIES: dict[str, tuple[type, dict]] = {
     "llama": (transformers.LlamaConfig, {}),
     "smollm3": (transformers.SmolLM3Config, dict(no_rope_layers=_pattern([1, 1, 1, 0]))),
@@ -90,6 +104,11 @@ FAMILIES: dict[str, tuple[type, dict]] = {
         head_dim=HEAD_DIM, intermediate_size=512, intermediate_size_mlp=INTERMEDIATE, num_local_experts=8,
         num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=_pattern([1, 1, 1, 0]),
         attention_chunk_size=WINDOW, use_qk_norm=True)),
+    # Hybrids: three Gated DeltaNet layers to one gated full-attention layer (the default interval of 4),
+    # linear heads sized like the attention's projections (8 key and 16 value heads of 64).
+    "qwen3_5_text": (transformers.Qwen3_5TextConfig, dict(head_dim=HEAD_DIM, **LINEAR)),
+    "qwen3_next": (transformers.Qwen3NextConfig, dict(
+        head_dim=HEAD_DIM, num_experts=8, shared_expert_intermediate_size=512, norm_topk_prob=True, **LINEAR, **MOE)),
 }
 
 
@@ -146,6 +165,46 @@ def measure(model_type: str, args: argparse.Namespace) -> dict:
     return row
 
 
+def _allow_context(path: str, context: int) -> None:
+    """Raise the checkpoint's `max_position_embeddings` to `context` if it is below."""
+    config_path = os.path.join(path, "config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    if config.get("max_position_embeddings", 0) < context:
+        config["max_position_embeddings"] = context
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+
+
+def measure_contexts(model_type: str, args: argparse.Namespace) -> dict:
+    """Batch-1 decode tok/s after a prompt of each of `args.contexts` tokens (prefill timed apart)."""
+    contexts = [int(c) for c in args.contexts.split(",")]
+    path = checkpoint(model_type)
+    _allow_context(path, max(contexts) + args.decode_tokens + 16)
+    pipe = fastgen.pipeline(path, progress=False)
+    engine, gen = pipe.engine, torch.Generator().manual_seed(0)
+    _timed(pipe, [[5] * 16], 4)  # warm-up
+    row = {"model_type": model_type, "dtype": str(engine.plan.dtype).removeprefix("torch.")}
+    for context in contexts:
+        prompt = torch.randint(3, engine.vocab_size, (context,), generator=gen).tolist()
+        request_id = engine.add_request(prompt, fastgen.SamplingParams(do_sample=False, ignore_eos=True,
+                                                                       max_new_tokens=args.decode_tokens + 1))
+        seq = engine.sequences(request_id)[0]
+        started = time.perf_counter()
+        while not seq.output_token_ids:
+            engine.step()
+        prefilled = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        done = time.perf_counter()
+        row[f"prefill_{context}_tok_s"] = context / (prefilled - started)
+        row[f"decode_{context}_tok_s"] = args.decode_tokens / (done - prefilled)
+        print(f"{model_type:12s} context {context:6d}: prefill {row[f'prefill_{context}_tok_s']:7.1f} tok/s, "
+              f"decode B=1 {row[f'decode_{context}_tok_s']:6.2f} tok/s", flush=True)
+    pipe.destroy()
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=",".join(FAMILIES))
@@ -153,12 +212,18 @@ def main() -> None:
     parser.add_argument("--prefill-prompts", type=int, default=8)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--decode-batch", type=int, default=16)
+    parser.add_argument("--contexts", default="",
+                        help="comma-separated prompt lengths: measure batch-1 decode after each instead")
     parser.add_argument("--json", default="bench_results/families.json")
     args = parser.parse_args()
     families = args.families.split(",")
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
         sys.exit(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    if args.contexts:
+        rows = [measure_contexts(model_type, args) for model_type in families]
+        write_json(args.json.replace("families.json", "families_context.json"), {"args": vars(args), "rows": rows})
+        return
     rows = []
     batch_key = f"decode_b{args.decode_batch}_tok_s"
     for model_type in families:

@@ -168,3 +168,34 @@ def test_multimodal_checkpoint_serves_its_text_model(tmp_path, caplog):
         out = pipe(prompts, do_sample=False, max_new_tokens=8, ignore_eos=True)
     assert "Image and video input is not supported yet" in caplog.text
     assert [r.token_ids for r in out] == expected
+
+
+def test_qwen3_5_moe_text_equals_hf(tmp_path, hf_reference):
+    """Qwen3.5-MoE: Qwen3.5's layers with the sparse block (top-2 of 8, always renormalised, gated
+    shared expert) on every layer, through the engine with chunked prompts."""
+    cls, extra = TINY_CONFIGS["qwen3_5_text"]
+    config = transformers.Qwen3_5MoeTextConfig(**{**COMMON, **_rope_kwargs(cls, extra), "num_experts": 8,
+                                                  "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                  "shared_expert_intermediate_size": 48})
+    torch.manual_seed(0)
+    path = str(tmp_path / "qwen3_5_moe_text")
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    build_tokenizer(COMMON["vocab_size"]).save_pretrained(path)
+    engine = _engine(path, token_budget=8, max_seqs=4)
+    prompts = _prompts(engine.tokenizer, (1, 6, 20, 41))
+    seqs = _greedy(engine, prompts)
+    assert [s.output_token_ids for s in seqs] == [t for t, _ in hf_reference(path, prompts, NUM_NEW)]
+
+
+def test_gpu_plan_leaves_cuda_graphs_off_for_hybrid_models(tiny_checkpoints):
+    from fastgen.planning.hardware import GPUInfo, Hardware
+
+    h100 = Hardware("cuda", 32, frozenset({"avx512f"}), "AVX512", 500 << 30,
+                    (GPUInfo("NVIDIA H100 80GB HBM3", (9, 0), 80 << 30, 79 << 30, 132),))
+    facts = model_facts(tiny_checkpoints["qwen3_next"])
+    plan = make_plan(facts, h100)
+    assert not plan.cuda_graphs and "cannot replay" in plan.reasons["cuda_graphs"]
+    assert plan.state_slots == plan.max_seqs
+    with pytest.raises(ValueError, match="cuda_graphs=True cannot serve qwen3_next"):
+        make_plan(facts, h100, cuda_graphs=True)
+    assert make_plan(model_facts(tiny_checkpoints["llama"]), h100).cuda_graphs

@@ -336,7 +336,7 @@ def test_overrides_win_and_say_so(models):
                      buckets=(1, 8, 64), token_budget=128, max_seqs=32, block_size=16, kv_cache_memory=GIB,
                      tensor_parallel=2, replica_num=2, quantization="int4", quantization_group_size=64,
                      offload="none", weight_memory=64 * GIB, weight_prepack=False, gemv_weights=False,
-                     context_per_budget_token=0, structured_outputs_backend="llguidance")
+                     context_per_budget_token=0, structured_outputs_backend="llguidance", state_slots=0)
     plan = make_plan(models["7b"], _gpus(*[H100] * 4), **overrides)
     assert plan.engine_kwargs() == {**overrides, "speculative_config": None}  # off unless asked for
     assert all(plan.reasons[name] == "set by the user" for name in overrides)

@@ -63,7 +63,9 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
 
     dtype = pick("dtype", lambda: _choose_dtype(model, hardware))
     attention = pick("attention_backend", lambda: _choose_attention(hardware))
-    graphs = pick("cuda_graphs", lambda: _choose_cuda_graphs(hardware))
+    graphs = pick("cuda_graphs", lambda: _choose_cuda_graphs(model, hardware))
+    if graphs and model.config.has_state:
+        raise ValueError(f"cuda_graphs=True cannot serve {model.model_type}: {_NO_GRAPHS_FOR_STATE}")
     budget = pick("token_budget", lambda: choose_token_budget(model, hardware, dtype, offline))
     floor = max(max(user.get("buckets", (0,))), user.get("max_seqs", 0))
     if "token_budget" not in user and floor > budget:
@@ -412,10 +414,16 @@ def _choose_gemv_weights(model: ModelFacts, hw: Hardware, dtype: torch.dtype, pr
                   "(2-core EPYC, fp32)")
 
 
-def _choose_cuda_graphs(hw: Hardware) -> tuple[bool, str]:
-    """On for CUDA devices: small decode steps are launch-bound."""
+_NO_GRAPHS_FOR_STATE = ("its linear-attention layers split each step's rows by their sizes on the host (decode "
+                        "rows batched, prompt chunks scanned one by one), which a captured graph cannot replay")
+
+
+def _choose_cuda_graphs(model: ModelFacts, hw: Hardware) -> tuple[bool, str]:
+    """On for CUDA devices: small decode steps are launch-bound (not for hybrid models)."""
     if hw.device_type == "cpu":
         return False, "CUDA graphs exist only on CUDA devices"
+    if model.config.has_state:
+        return False, f"off for {model.model_type}: {_NO_GRAPHS_FOR_STATE}"
     return True, ("a small decode step is kernel-launch-bound (hundreds of launches per step); replaying one "
                   "captured graph per bucket removes that cost")
 
