@@ -12,7 +12,8 @@ A step lays out `S` sequence rows as paged attention sees them (`query_start_loc
   sequence (no tokens before it), so neither a fresh sequence nor one recomputed after preemption
   ever reads a stale slot. The state after its last token is written back.
 
-Registered as the op `fastgen::gated_delta_net`, which a compiled decoder layer calls as one opaque
+On CUDA the decode rows take the Triton kernel (`fastgen.ops.triton_gated_delta`); prompt chunks
+run the torch scan everywhere. Registered as the op `fastgen::gated_delta_net`, which a compiled decoder layer calls as one opaque
 node (the per-row split reads the sizes on the host), the way paged attention is called.
 """
 
@@ -95,8 +96,10 @@ def torch_gated_delta_net(
         row_slots = torch.tensor(decode_slots, device=mixed_qkv.device)
         conv_out = causal_conv1d_decode(mixed_qkv.index_select(0, rows), conv_pool, row_slots, conv_weight)
         q, k, v = _split_heads(conv_out, *heads)
-        out[rows] = recurrent_gated_delta_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
-                                               state_pool, row_slots)
+        step = recurrent_gated_delta_step
+        if mixed_qkv.device.type == "cuda":
+            from fastgen.ops.triton_gated_delta import triton_recurrent_gated_delta_step as step  # Triton on first use
+        out[rows] = step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), state_pool, row_slots)
     return out
 
 
