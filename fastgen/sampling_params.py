@@ -252,7 +252,8 @@ class SamplingParams:
 
     structured_outputs: StructuredOutputsParams | None = sampling_field(None)
     """What the output must match (vLLM's `structured_outputs`): a dict with one of `json` (a JSON
-    schema), `regex`, `choice`, `grammar` (EBNF), `json_object`, or a `StructuredOutputsParams`. The
+    schema), `regex`, `choice`, `grammar` (EBNF), `json_object`, `structural_tag` (xgrammar's), or a
+    `StructuredOutputsParams`. The
     engine masks every token the constraint forbids, and EOS until the output is complete."""
 
     priority: int = sampling_field(0, int, -2**31, 2**31 - 1)

@@ -1,7 +1,8 @@
 """What a request's output must match: vLLM's `structured_outputs` keys, validated as data.
 
-One spec names exactly one constraint (a JSON schema, a regex, a list of choices, an EBNF grammar, or
-any JSON object). Whether the constraint itself is sound (a schema the compiler understands, a regex
+One spec names exactly one constraint (a JSON schema, a regex, a list of choices, an EBNF grammar,
+any JSON object, or xgrammar's structural tag: free text in which triggered tags, such as tool calls, are
+constrained). Whether the constraint itself is sound (a schema the compiler understands, a regex
 that parses) is checked by the engine's grammar backend when the request is prepared, so the error
 carries the compiler's own message. OpenAI's `response_format` and tool calling are turned into this
 spec by the server.
@@ -13,7 +14,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 """The keys of which a spec sets exactly one."""
 
 
@@ -41,6 +42,11 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     """True: any JSON object (OpenAI's `json_object` mode)."""
 
+    structural_tag: str | None = None
+    """xgrammar's structural tag (`{"type": "structural_tag", "format": {...}}`) as compact JSON text (a
+    dict on input is serialized): e.g. text in which each `<tool_call>` must hold a call matching its
+    tool's schema. The xgrammar backend only."""
+
     whitespace_pattern: str | None = None
     """With `json`/`json_object`: a regex for the whitespace allowed between JSON tokens (llguidance
     only; the xgrammar backend refuses it)."""
@@ -64,7 +70,9 @@ class StructuredOutputsParams:
             if name in ("regex", "grammar", "reasoning_end") and value == "":
                 raise ValueError(f"structured_outputs.{name}: must not be empty")
         if self.json is not None:
-            object.__setattr__(self, "json", _schema_text(self.json))
+            object.__setattr__(self, "json", _object_text(self.json, "json", "JSON schema"))
+        if self.structural_tag is not None:
+            object.__setattr__(self, "structural_tag", _object_text(self.structural_tag, "structural_tag", "JSON"))
         if self.choice is not None:
             object.__setattr__(self, "choice", _choices(self.choice))
         if self.json_object not in (None, True, False):
@@ -107,21 +115,21 @@ class StructuredOutputsParams:
         return cls(**given)
 
 
-def _schema_text(schema: Any) -> str:
-    """A JSON schema (a dict or its JSON text) as canonical JSON text."""
-    if isinstance(schema, str):
+def _object_text(value: Any, key: str, what: str) -> str:
+    """A JSON object (a dict or its JSON text) as compact JSON text; `what` it is, for the messages."""
+    if isinstance(value, str):
         try:
-            schema = json.loads(schema)
+            value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"structured_outputs.json: not valid JSON: {exc}") from None
-    if isinstance(schema, bool):
-        raise ValueError("structured_outputs.json: a boolean schema constrains nothing useful; give an object schema")
-    if not isinstance(schema, dict):
-        raise TypeError(f"structured_outputs.json: must be a JSON schema object, got {type(schema).__name__}")
+            raise ValueError(f"structured_outputs.{key}: not valid JSON: {exc}") from None
+    if isinstance(value, bool):
+        raise ValueError(f"structured_outputs.{key}: a boolean {what} constrains nothing useful; give an object")
+    if not isinstance(value, dict):
+        raise TypeError(f"structured_outputs.{key}: must be a {what} object, got {type(value).__name__}")
     try:
-        return json.dumps(schema, separators=(",", ":"), allow_nan=False)
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"structured_outputs.json: not serializable as JSON: {exc}") from None
+        raise ValueError(f"structured_outputs.{key}: not serializable as JSON: {exc}") from None
 
 
 def _choices(choice: Any) -> tuple[str, ...]:

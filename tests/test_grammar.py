@@ -87,6 +87,8 @@ def test_spec_validates_its_shape():
         (dict(regex=""), ValueError, "structured_outputs.regex: must not be empty"),
         (dict(regex="a", disable_any_whitespace=True), ValueError, "applies to json and json_object only"),
         (dict(json_object="yes"), TypeError, "json_object: must be a bool"),
+        (dict(structural_tag="{not json"), ValueError, "structured_outputs.structural_tag: not valid JSON"),
+        (dict(structural_tag=["tag"]), TypeError, "structural_tag: must be a JSON object"),
     ]
     for kwargs, kind, message in cases:
         with pytest.raises(kind, match=message):
@@ -117,6 +119,33 @@ def test_whitespace_pattern_is_llguidance_only(compiler, tokenizer):
     else:
         text, ended = generate(compiler, tokenizer, s, seed=0)
         assert ended and jsonschema.validate(json.loads(text), PERSON) is None
+
+
+CALL_TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [
+    {"type": "tag", "begin": '<tool_call>{"name": "who", "arguments": ', "end": "}</tool_call>",
+     "content": {"type": "json_schema", "json_schema": PERSON}}]}}
+
+
+def test_structural_tag_constrains_only_what_follows_a_trigger(compiler, tokenizer):
+    if compiler.backend.name == "llguidance":
+        with pytest.raises(FieldValueError, match="structural tags are compiled by the xgrammar backend only"):
+            compiler.submit(spec(structural_tag=CALL_TAG))
+        return
+    with pytest.raises(FieldValueError, match="structured_outputs.structural_tag: invalid structural tag"):
+        compiler.submit(spec(structural_tag={"type": "structural_tag", "format": {"type": "nope"}}))
+    grammar = SequenceGrammar(compiler.submit(spec(structural_tag=json.dumps(CALL_TAG))), compiler.backend)
+    grammar.pending.wait(30)
+
+    def allowed(text: str, end: bool) -> bool:
+        ids = tokenizer.encode(text) + ([EOS] if end else [])
+        return grammar.valid_prefix([], ids) == len(ids)
+
+    call = '<tool_call>{"name": "who", "arguments": {"name": "ada", "age": 36}}</tool_call>'
+    assert allowed("free text, then no call", end=True)
+    assert allowed("let me look. " + call + " done", end=True)
+    assert not allowed('<tool_call>{"name": "who", "arguments": {"name": "ada", "age": 360}}</tool_call>', end=False)
+    assert not allowed('<tool_call>{"name": "what", "arguments": {}}</tool_call>', end=False)
+    assert not allowed('<tool_call>{"name": "who", "arguments": {"name": "ada"', end=True)  # no EOS inside a call
 
 
 # Every constraint kind gives matching outputs from random logits --------------------------------

@@ -108,6 +108,8 @@ def test_streaming_assembles_to_valid_json(client):
      "response_format.json_schema.name"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "both ask for structured output"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
+    ({"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": {"type": "tag"}}}},
+     "structured_outputs.structural_tag: invalid structural tag"),
 ])
 def test_bad_constraints_are_400_before_queueing(served, client, body, message):
     with pytest.raises(openai.BadRequestError) as info:
@@ -122,7 +124,8 @@ def test_bad_constraints_are_400_before_queueing(served, client, body, message):
 def test_grpc_structured_outputs_round_trip_and_generate(tiny_checkpoints):
     """The typed gRPC field converts both ways; a Generate call over a real gRPC server is constrained."""
     for spec in ({"json": SCHEMA, "disable_any_whitespace": True}, {"choice": ["a", "b c"]}, {"regex": "x+"},
-                 {"grammar": 'root ::= "a"'}, {"json_object": True, "whitespace_pattern": " ?"}):
+                 {"grammar": 'root ::= "a"'}, {"json_object": True, "whitespace_pattern": " ?"},
+                 {"structural_tag": {"type": "structural_tag", "format": {"type": "any_text"}}}):
         params = SamplingParams(structured_outputs=spec)
         assert params_from_proto(params_to_proto(params)).structured_outputs == params.structured_outputs
     with pytest.raises(ValueError, match="exactly one of"):

@@ -16,6 +16,7 @@ import pytest
 from kit import build_checkpoint
 from rest_server import serve
 
+from fastgen.engine.grammar import GrammarCompiler, SequenceGrammar, make_backend
 from fastgen.serving.cli import build_parser
 from fastgen.serving.http.app import create_app
 from fastgen.serving.http.chat.messages import ChatPrompt, chat_conversation, render_chat_text
@@ -24,6 +25,7 @@ from fastgen.serving.http.chat.reasoning import REASONING_PARSERS, ReasoningSpli
 from fastgen.serving.http.chat.tool_parsers import JsonCallsParser, make_tool_call_parser
 from fastgen.serving.http.chat.tools import ToolPlan, calls_schema, tool_plan
 from fastgen.serving.http.guard import ApiError
+from fastgen.structured_outputs import StructuredOutputsParams
 
 MODEL = "tiny-tools"
 ENGINE = dict(num_kv_blocks=64, block_size=8, token_budget=32, max_seqs=8, progress=False)
@@ -149,8 +151,8 @@ BAD = [
     ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "needs tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
       "tool_choice": "required"}, "tools: the functions' parameters are not a JSON schema"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": WEATHER, "strict": True}}]},
-     "strict tools are not supported with tool_choice auto yet"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": WEATHER, "strict": True}}],
+      "response_format": {"type": "json_object"}}, "strict tools under tool_choice auto constrain the reply's calls"),
     ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice must be none, auto, required"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "cannot be combined with response_format"),
@@ -178,6 +180,51 @@ def test_auto_needs_a_parser_and_none_parses_nothing():
     Request.tool_choice = "none"
     plan = tool_plan(Request(), None)
     assert plan.choice == "none" and plan.new_parser() is None and plan.tools == TOOLS
+
+
+STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}, TOOLS[1]]
+STRICT_CALLS = {  # per parser: a call to the strict tool, the same with days out of range, a non-strict call
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
+               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 0}}\n</tool_call>',
+               '<tool_call>\n{"name": "get_time", "arguments": {"zone": "mars"}}\n</tool_call>'),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
+                    '{"name": "get_weather", "parameters": {"city": "Paris", "days": 0}}',
+                    '{"name": "get_time", "parameters": {"zone": "mars"}}'),
+}
+
+
+@pytest.mark.parametrize("parser", sorted(STRICT_CALLS))
+def test_strict_tools_under_auto_constrain_the_calls_in_the_parsers_format(served, parser):
+    class Request:
+        tools, tool_choice, parallel_tool_calls = STRICT_TOOLS, "auto", None
+
+    plan = tool_plan(Request(), parser)
+    assert plan.choice == "auto" and plan.parser == parser and "structural_tag" in plan.constraint
+    compiler = GrammarCompiler(make_backend("xgrammar", served.engine.tokenizer, served.engine.vocab_size,
+                                            [served.engine.tokenizer.eos_token_id]), "tools")
+    grammar = SequenceGrammar(compiler.submit(StructuredOutputsParams.from_value(plan.constraint)), compiler.backend)
+    grammar.pending.wait(30)
+    eos = served.engine.tokenizer.eos_token_id
+
+    def allowed(text: str) -> bool:
+        ids = served.engine.tokenizer.encode(text, add_special_tokens=False) + [eos]
+        return grammar.valid_prefix([], ids) == len(ids)
+
+    valid, out_of_range, not_strict = STRICT_CALLS[parser]
+    assert allowed(valid) and allowed(not_strict) and allowed("No call needed.")
+    assert not allowed(out_of_range)
+    # What the grammar lets through, the server's parser reads as the call.
+    assert _parse(lambda: make_tool_call_parser(parser), [valid]) == (
+        "", [["get_weather", '{"city": "Paris", "days": 2}']])
+    compiler.shutdown()
+
+
+def test_strict_tools_under_auto_are_served(client):
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, tools=STRICT_TOOLS, seed=1)
+    choice = reply.choices[0]
+    for call in choice.message.tool_calls or ():
+        _check_call(call)
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_cli_flags_and_unknown_parser_names():

@@ -209,8 +209,10 @@ def parse_chat(body: dict[str, Any], models: RequestModels, model_name: str, too
     plan = tool_plan(request, tool_call_parser)
     if plan is not None and plan.constraint is not None:
         if "structured_outputs" in kwargs:
-            raise ApiError(400, f"tool_choice {plan.choice} constrains the reply to tool calls: it cannot be "
-                                "combined with response_format or structured_outputs", param="tool_choice")
+            what = "strict tools under tool_choice auto constrain the reply's calls" if plan.choice == "auto" else \
+                f"tool_choice {plan.choice} constrains the reply to tool calls"
+            raise ApiError(400, f"{what}: it cannot be combined with response_format or structured_outputs",
+                           param="tool_choice")
         kwargs["structured_outputs"] = plan.constraint
     if reasoning_parser is not None:
         parsed.reasoning = REASONING_PARSERS[reasoning_parser]

@@ -130,6 +130,9 @@ async def _thinking(gateway: Gateway, req: Parsed) -> bool | None:
 def _tools_refusal(exc: ApiError, req: Parsed) -> ApiError:
     # The grammar backend names the constraint it was given; for tools, that constraint is theirs.
     if req.tools is not None and req.tools.constraint is not None and exc.param == "structured_outputs":
+        if req.tools.choice == "auto":
+            return ApiError(400, f"tools: strict tools under tool_choice auto cannot be constrained ({exc.message})",
+                            param="tools")
         return ApiError(400, f"tools: the functions' parameters are not a JSON schema this server can compile "
                              f"({exc.message})", param="tools")
     return exc

@@ -88,5 +88,6 @@ def compiler_error(spec: StructuredOutputsParams, exc_or_message: BaseException 
     message = str(exc_or_message).strip()
     message = _LOG_PREFIX.sub("", message)
     labels = {"json": "invalid JSON schema", "regex": "invalid regex", "grammar": "invalid grammar",
-              "choice": "invalid choice", "json_object": "cannot compile json_object"}
+              "choice": "invalid choice", "json_object": "cannot compile json_object",
+              "structural_tag": "invalid structural tag"}
     return FieldValueError(f"structured_outputs.{spec.kind}: {labels[spec.kind]}: {message}", "structured_outputs")

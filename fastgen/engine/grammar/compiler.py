@@ -135,5 +135,5 @@ class GrammarCompiler:
 
 def _spec_key(spec: StructuredOutputsParams) -> tuple:
     # reasoning_end changes where a matcher starts, not the grammar: it is not part of the key.
-    return (spec.json, spec.regex, spec.choice, spec.grammar, spec.json_object, spec.whitespace_pattern,
-            spec.disable_any_whitespace)
+    return (spec.json, spec.regex, spec.choice, spec.grammar, spec.json_object, spec.structural_tag,
+            spec.whitespace_pattern, spec.disable_any_whitespace)

@@ -12,6 +12,7 @@ import llguidance.torch
 from torch import Tensor
 
 from fastgen.engine.grammar.backend import JSON_OBJECT_SCHEMA, compiler_error
+from fastgen.sampling_params import FieldValueError
 from fastgen.structured_outputs import StructuredOutputsParams
 
 
@@ -72,6 +73,10 @@ class LLGuidanceBackend:
     def parse(self, spec: StructuredOutputsParams) -> str:
         """The spec as an llguidance grammar, validated against the tokenizer (FieldValueError with
         llguidance's message when invalid)."""
+        if spec.kind == "structural_tag":
+            raise FieldValueError("structured_outputs.structural_tag: xgrammar's structural tags are compiled by the "
+                                  "xgrammar backend only (serve with structured_outputs_backend='xgrammar')",
+                                  "structured_outputs")
         try:
             if spec.kind in ("json", "json_object"):
                 options: dict[str, Any] = {"whitespace_flexible": not spec.disable_any_whitespace}

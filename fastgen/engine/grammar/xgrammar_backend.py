@@ -91,6 +91,8 @@ class XGrammarBackend:
                 # EBNF string literals take JSON's escapes; ensure_ascii=False keeps other scripts as they are.
                 alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
                 return xgrammar.Grammar.from_ebnf(f"root ::= {alternatives}")
+            if spec.kind == "structural_tag":
+                return xgrammar.Grammar.from_structural_tag(spec.structural_tag)
             return xgrammar.Grammar.from_ebnf(spec.grammar)
         except (RuntimeError, ValueError) as exc:
             raise compiler_error(spec, exc) from None

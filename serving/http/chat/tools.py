@@ -6,8 +6,11 @@
   `{"name": ..., "parameters": {...}}` object per call, the name one of the tools' (or the named one)
   and the parameters the tool's schema; an array of them when `parallel_tool_calls` (OpenAI's default).
 - `auto` (the default when tools are given): the model answers freely and calls are parsed out of its
-  text in the server's `--tool-call-parser` format; without one it is refused. A tool marked `strict`
-  cannot be constrained in free text yet, so `auto` with one is refused too (clearly, not ignored).
+  text in the server's `--tool-call-parser` format; without one it is refused. When a tool is marked
+  `strict`, the free text is constrained by an xgrammar structural tag: text stays free, but once the
+  parser's call opening appears (`<tool_call>` for hermes, `{"name": "` for llama3_json) the call must
+  name one of the tools and its arguments must match a strict tool's schema (any JSON object for the
+  others).
 
 Every refusal is a 400 naming the field, raised before anything is queued.
 """
@@ -37,13 +40,14 @@ class ToolPlan:
     choice: str
     """"none", "auto", "required" or "named"."""
     constraint: dict[str, Any] | None
-    """The `structured_outputs` spec of `required` and named choices (None otherwise)."""
+    """The `structured_outputs` spec of `required` and named choices, and of `auto` with strict tools
+    (None otherwise)."""
     parser: str | None
     """The `--tool-call-parser` format of `auto` replies (None otherwise)."""
 
     def new_parser(self) -> ToolCallParser | None:
         """A parser for one reply (None when the reply is plain content)."""
-        if self.constraint is not None:
+        if self.choice in ("required", "named"):
             return JsonCallsParser()
         return make_tool_call_parser(self.parser) if self.parser is not None else None
 
@@ -119,16 +123,36 @@ def tool_plan(request: Any, parser: str | None) -> ToolPlan | None:
             raise ApiError(400, "tools with tool_choice auto (the default with tools) need the server started with "
                                 f"--tool-call-parser (one of {', '.join(TOOL_CALL_PARSERS)}); use tool_choice "
                                 "required, a named function or none", param=param)
-        strict = next((i for i, tool in enumerate(tools) if tool["function"].get("strict")), None)
-        if strict is not None:
-            raise ApiError(400, f"tools[{strict}].function.strict: strict tools are not supported with tool_choice "
-                                "auto yet (free text cannot be constrained to the schema); use tool_choice required "
-                                "or a named function, which are always constrained, or strict: false", param="tools")
     constraint = None
     if choice in ("required", "named"):
         parallel = request.parallel_tool_calls is not False and choice == "required"
         constraint = {"json": calls_schema(tools, named, parallel)}
+    elif choice == "auto" and any(tool["function"].get("strict") for tool in tools):
+        constraint = {"structural_tag": calls_tag(tools, parser, request.parallel_tool_calls is not False)}
     return ToolPlan(tools, choice, constraint, parser if choice == "auto" else None)
+
+
+_CALL_FORMATS = {
+    "hermes": ("<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"),
+    "llama3_json": ('{"name": "', '{"name": "', '", "parameters": ', "}"),
+}
+"""Per `--tool-call-parser`: the trigger, and a call's text before its name, between its name and
+arguments, and after them (what the bundled hermes-style templates and llama 3 write)."""
+
+
+def calls_tag(tools: list[dict[str, Any]], parser: str, parallel: bool) -> dict[str, Any]:
+    """The xgrammar structural tag of `tool_choice` auto with strict tools, in `parser`'s call format:
+    free text, each call (after the trigger) to one of `tools` with a strict tool's arguments matching its
+    schema; one call at most unless `parallel`."""
+    trigger, before_name, before_arguments, after = _CALL_FORMATS[parser]
+    tags = []
+    for tool in tools:
+        function = tool["function"]
+        schema = (function.get("parameters") or _ANY_OBJECT) if function.get("strict") else _ANY_OBJECT
+        tags.append({"type": "tag", "begin": before_name + function["name"] + before_arguments,
+                     "content": {"type": "json_schema", "json_schema": schema}, "end": after})
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
+                                                 "stop_after_first": not parallel}}
 
 
 def calls_schema(tools: list[dict[str, Any]], named: str | None, parallel: bool) -> dict[str, Any]:
