@@ -143,8 +143,10 @@ class Router(nn.Linear):
 class StackedExperts(nn.Module):
     """E gated MLPs held as two stacked weights and run without a Python loop over tokens.
 
-    Two static-shape formulations, picked by the token count (static per compiled bucket, so the
-    choice is not data-dependent and the step stays one graph, capturable as a CUDA graph):
+    On a CPU outside torch.compile, each picked expert runs over its tokens (`_per_expert`). Compiled
+    and GPU steps take one of two static-shape formulations, picked by the token count (static per
+    compiled bucket, so the choice is not data-dependent and the step stays one graph, capturable as a
+    CUDA graph):
 
     - dense: every expert runs on every token as one GEMM (`x @ gate_up_proj` viewed as
       `[E*2I, H]`) and one batched GEMM for `down_proj`, the routing weights zero for experts
@@ -208,6 +210,8 @@ class StackedExperts(nn.Module):
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's selected experts: `hidden [T, H]`, weights/ids `[T, k]` -> `[T, H]`."""
         num_tokens, top_k = topk_ids.shape
+        if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
+            return self._per_expert(hidden, topk_weights, topk_ids)
         if _GATHER_COST * num_tokens * top_k <= self.num_experts:
             return self._gathered(hidden, topk_weights, topk_ids)
         return self._dense(hidden, topk_weights, topk_ids)
@@ -227,6 +231,24 @@ class StackedExperts(nn.Module):
         out = torch.bmm(act, self.down_proj.transpose(1, 2)).sum(dim=0)
         if self._adds_down_bias():
             out = out + combine @ self.down_proj_bias  # each picked expert's bias, by its weight
+        return out
+
+    def _per_expert(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Each picked expert once, over the tokens that picked it, its weights read where they lie.
+
+        The sparse FLOPs and each picked expert's weights read once, at the price of data-dependent
+        shapes: right for eager CPU steps, where reading the routing on the host costs no device sync
+        (a batch-1 decode step of the gathered form copied its experts' weights before multiplying)."""
+        out = torch.zeros_like(hidden)
+        weights = topk_weights.to(hidden.dtype)
+        for expert in sorted(set(topk_ids.flatten().tolist())):
+            tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)
+            gate_up = F.linear(hidden[tokens], self.gate_up_proj[expert],
+                               self.gate_up_proj_bias[expert] if self.has_bias else None)
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            down = F.linear(self.glu(gate, up), self.down_proj[expert],
+                            self.down_proj_bias[expert] if self._adds_down_bias() else None)
+            out.index_add_(0, tokens, down * weights[tokens, slots].unsqueeze(-1))
         return out
 
     def _gathered(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -73,16 +73,20 @@ def test_moe_block_matches_hf(family, num_tokens):
 
 
 @pytest.mark.parametrize("family", sorted(BLOCKS))
-def test_dense_and_gathered_formulations_agree(family):
+def test_dense_gathered_and_per_expert_formulations_agree(family):
     _, ours = _blocks(family, seed=1)
     moe = BLOCKS[family][2]
-    hidden = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        weights, ids = route(ours.gate(hidden), moe.top_k, moe.renormalize)
-        dense = ours.experts._dense(hidden, weights, ids)
-        gathered = ours.experts._gathered(hidden, weights, ids)
-    assert ids.unique().numel() == moe.num_experts, "the tokens were meant to reach every expert"
-    torch.testing.assert_close(dense, gathered, rtol=1e-5, atol=1e-5)
+    # 24 tokens reach every expert; one token only a few (the per-expert loop skips the others).
+    for num_tokens in (24, 1):
+        hidden = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            weights, ids = route(ours.gate(hidden), moe.top_k, moe.renormalize)
+            dense = ours.experts._dense(hidden, weights, ids)
+            gathered = ours.experts._gathered(hidden, weights, ids)
+            per_expert = ours.experts._per_expert(hidden, weights, ids)
+        assert ids.unique().numel() == (moe.num_experts if num_tokens > 1 else moe.top_k)
+        torch.testing.assert_close(dense, gathered, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(per_expert, dense, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("router_cls", "norm_topk_prob"), [(MixtralTopKRouter, None), (Qwen2MoeTopKRouter, False),
