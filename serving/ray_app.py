@@ -40,6 +40,8 @@ from fastgen.serving.cli import build_parser, engine_fields
 from fastgen.serving.limits import ServingLimits, api_keys_from_env
 from fastgen.serving.metrics import ServingMetrics
 from fastgen.serving.http.app import create_app
+from fastgen.serving.http.chat.reasoning import REASONING_PARSERS
+from fastgen.serving.http.chat.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_ONGOING_REQUESTS = 64
 """Requests Ray's router lets one replica hold at once (Ray's own default, 5, starves continuous batching)."""
@@ -56,7 +58,8 @@ REPLICA_HEADER = "x-fastgen-replica"
 _SCALING_OPTIONS = ("num_replicas", "autoscaling_config", "max_ongoing_requests", "ray_actor_options",
                     "health_check_period_s", "health_check_timeout_s", "drain_timeout")
 _SERVER_OPTIONS = ("model", "deployment_name", "served_model_name", "api_key", "max_pending_requests",
-                   "max_prompts_per_request", "max_n", "max_body_bytes", "strict_params", "protect_metrics")
+                   "max_prompts_per_request", "max_n", "max_body_bytes", "strict_params", "protect_metrics",
+                   "tool_call_parser", "reasoning_parser")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,10 @@ class ServerOptions:
     """Refuse OpenAI bodies with fields this server does not know (400) instead of ignoring them."""
     protect_metrics: bool = False
     """Put `/metrics` behind the API key too."""
+    tool_call_parser: str | None = None
+    """The format tool calls are parsed out of `tool_choice: auto` chat replies in (`--tool-call-parser`)."""
+    reasoning_parser: str | None = None
+    """The format of reasoning models' thinking, split off as `reasoning_content` (`--reasoning-parser`)."""
 
     @property
     def model_name(self) -> str:
@@ -98,7 +105,8 @@ class FastGenServer:
         self.gateway_app = create_app(self.loop, options.deployment_name, self.engine.tokenizer, options.model_name,
                               limits=options.limits, max_model_len=self.engine.max_model_len,
                               metrics=ServingMetrics(self.engine.stats), strict_params=options.strict_params,
-                              protect_metrics=options.protect_metrics)
+                              protect_metrics=options.protect_metrics, tool_call_parser=options.tool_call_parser,
+                              reasoning_parser=options.reasoning_parser)
         self.gateway_app.middleware("http")(_name_replica(_replica_id()))
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -212,7 +220,7 @@ def build_app(args: dict[str, Any]) -> Any:
     Keys: every EngineConfig field (`model`, `dtype`, `num_kv_blocks`, `tensor_parallel`, ...);
     `deployment_name`, `served_model_name`, `api_key` (default `FASTGEN_API_KEY` in the replicas'
     environment), `max_pending_requests`, `max_prompts_per_request`, `max_n`, `max_body_bytes`,
-    `strict_params`, `protect_metrics`; and Ray's `num_replicas` (an int, or "auto") or
+    `strict_params`, `protect_metrics`, `tool_call_parser`, `reasoning_parser`; and Ray's `num_replicas` (an int, or "auto") or
     `autoscaling_config` (a dict or its JSON, e.g. `{"min_replicas": 1, "max_replicas": 4,
     "target_ongoing_requests": 16}`), `max_ongoing_requests` (default 64), `ray_actor_options` (a
     dict or its JSON; default per replica: one GPU when CUDA is the device, or when the device is unset
@@ -320,7 +328,11 @@ def _server_options(args: dict[str, Any], engine: dict[str, Any]) -> ServerOptio
     if "/" in args.get("deployment_name", ""):
         raise ValueError(f"deployment_name must not contain '/', got {args['deployment_name']!r}")
     flags = {name: _bool(name, args[name]) for name in ("strict_params", "protect_metrics") if name in args}
-    names = {k: args[k] for k in ("deployment_name", "served_model_name") if args.get(k) is not None}
+    for name, known in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+        if args.get(name) is not None and args[name] not in known:
+            raise ValueError(f"{name} must be one of {', '.join(sorted(known))}, got {args[name]!r}")
+    names = {k: args[k] for k in ("deployment_name", "served_model_name", "tool_call_parser", "reasoning_parser")
+             if args.get(k) is not None}
     return ServerOptions(engine=engine, model=args.get("model"), limits=limits, **names, **flags)
 
 
