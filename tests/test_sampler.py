@@ -15,7 +15,7 @@ from transformers import (  # noqa: E402
     TopPLogitsWarper,
 )
 
-from fastgen.engine.step.sampler import Sampler  # noqa: E402
+from fastgen.engine.step.sampler import TOP_P_CANDIDATES, Sampler, _top_p_of_candidates  # noqa: E402
 from fastgen.engine.step.sampling_metadata import SamplingMetadata, make_generator  # noqa: E402
 from fastgen.sampling_params import SamplingParams  # noqa: E402
 
@@ -108,6 +108,29 @@ def test_top_p_boundary_like_hf():
     ours = Sampler().process_logits(logits, build([params], vocab_size=4))
     expected = hf_process(logits[0], params, [], [])
     assert int(torch.isfinite(ours[0]).sum()) == int(torch.isfinite(expected).sum()) == 2
+
+
+def test_top_p_from_the_candidates_equals_the_full_sort_and_hf():
+    """A vocabulary wider than TOP_P_CANDIDATES: peaked rows (the candidates hold the nucleus) take the
+    top-k path, and a batch with one flat row (they do not) falls back to the full sort; both keep
+    exactly HF's tokens, and a top_p = 1 row beside cutting ones is untouched."""
+    vocab_size = 4096
+    gen = torch.Generator().manual_seed(2)
+    peaked = torch.randn(4, vocab_size, generator=gen) * 4
+    flat = torch.randn(1, vocab_size, generator=gen) * 0.1
+    params = [SamplingParams(top_p=p) for p in (0.9, 0.5, 0.99, 1.0)]
+    md = build(params, vocab_size=vocab_size)
+    assert _top_p_of_candidates(peaked.clone(), md.top_p) is not None
+    mixed = [SamplingParams(top_p=0.9)] * 4 + [SamplingParams(top_p=0.9)]
+    assert _top_p_of_candidates(torch.cat([peaked, flat]), build(mixed, vocab_size=vocab_size).top_p) is None
+    for logits, batch in ((peaked, params), (torch.cat([peaked, flat]), mixed)):
+        ours = Sampler().process_logits(logits.clone(), build(batch, vocab_size=vocab_size))
+        for i, p in enumerate(batch):
+            expected = hf_process(logits[i], p, [], [])
+            assert torch.equal(torch.isfinite(ours[i]), torch.isfinite(expected)), f"row {i}"
+            torch.testing.assert_close(ours[i].softmax(-1), expected.softmax(-1), atol=1e-6, rtol=1e-5)
+    kept = torch.isfinite(Sampler().process_logits(peaked.clone(), md)).sum(-1).tolist()
+    assert 1 < kept[1] < kept[0] < kept[2] < TOP_P_CANDIDATES and kept[3] == vocab_size
 
 
 def test_tiny_top_p_keeps_the_most_likely_token():

@@ -188,15 +188,44 @@ def _apply_top_k(scores: Tensor, top_k: Tensor, max_top_k: int) -> Tensor:
     return scores.masked_fill_(scores < threshold, float("-inf"))
 
 
+TOP_P_CANDIDATES = 256
+"""How many of a row's most likely tokens the CPU's top-p looks at first (see `_top_p_of_candidates`)."""
+
+
 def _apply_top_p(scores: Tensor, top_p: Tensor) -> Tensor:
     """Hugging Face's `TopPLogitsWarper` per row: in ascending order, drop tokens while the
     cumulative probability stays <= 1 - top_p; the most likely token always survives."""
+    if scores.device.type == "cpu" and scores.shape[-1] > TOP_P_CANDIDATES:
+        nucleus = _top_p_of_candidates(scores, top_p)
+        if nucleus is not None:
+            return nucleus
     sorted_scores, sorted_ids = scores.sort(dim=-1, descending=False)
     cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cumulative <= (1.0 - top_p).unsqueeze(1)
     remove_sorted[:, -1] = False
     remove = remove_sorted.scatter(1, sorted_ids, remove_sorted)
     return scores.masked_fill_(remove, float("-inf"))
+
+
+def _top_p_of_candidates(scores: Tensor, top_p: Tensor) -> Tensor | None:
+    """`_apply_top_p` from each row's `TOP_P_CANDIDATES` most likely tokens, or None where they hold
+    less than top_p of some cutting row's mass (then the nucleus may reach beyond them).
+
+    In descending order HF's rule keeps a token iff the mass of the tokens before it is < top_p, so
+    when the candidates hold at least top_p every token after them is dropped and the rule needs only
+    them: a top-k of 256 instead of sorting the vocabulary (a [16, 49152] fp32 sort took 8 ms a step
+    on 2 cores, a fifth of a small model's sampled step). The check reads the mass on the host, which
+    costs nothing on a CPU and would stall a GPU's queue, hence CPU only."""
+    top_scores, top_ids = scores.topk(TOP_P_CANDIDATES, dim=-1)
+    probs = (top_scores - scores.logsumexp(dim=-1, keepdim=True)).exp()
+    mass = probs.cumsum(dim=-1)
+    cuts = top_p < 1.0
+    if not bool(((mass[:, -1] >= top_p) | ~cuts).all()):
+        return None
+    keep = (mass - probs) < top_p.unsqueeze(1)
+    keep[:, 0] = True
+    nucleus = torch.full_like(scores, float("-inf")).scatter_(1, top_ids, top_scores.masked_fill(~keep, float("-inf")))
+    return torch.where(cuts.unsqueeze(1), nucleus, scores)
 
 
 def _apply_min_p(scores: Tensor, min_p: Tensor) -> Tensor:
