@@ -265,3 +265,54 @@ def test_real_smollm2_greedy_is_unchanged_by_speculation():
         finally:
             pipe.destroy()
         assert got == want, speculative
+
+
+def test_the_governor_measures_both_choices_and_keeps_the_faster():
+    from fastgen.engine.speculation_governor import RETRY_EVERY, SpeculationGovernor
+
+    governor = SpeculationGovernor(cap=8)
+    assert not governor.allows(9)  # above the plan's cap: never, and nothing measured there
+    governor.record(9, True, 90, 1.0)
+    assert governor.rates(9) == (None, None)
+    assert governor.allows(4)  # nothing measured at 4 rows: drafts first
+    governor.record(4, True, 10, 1.0)
+    assert not governor.allows(4)  # then a plain step
+    governor.record(4, False, 20, 1.0)
+    choices = [governor.allows(4) for _ in range(2 * RETRY_EVERY)]
+    # Plain measured faster: plain, but speculation is tried again every RETRY_EVERY steps.
+    assert choices.count(True) == 2 and choices[RETRY_EVERY - 1] and choices[-1]
+    governor.record(4, True, 100, 1.0)  # 0.8 x 10 + 0.2 x 100 = 28 > 20: speculating wins now
+    assert governor.rates(4) == (pytest.approx(28.0), 20.0)
+    choices = [governor.allows(4) for _ in range(RETRY_EVERY)]
+    assert choices.count(False) == 1
+
+
+def test_measured_slower_speculation_leaves_only_seeded_rows_drafting():
+    """Below the plan's cap, a batch size whose verification steps measured slower stops drafting,
+    except for seeded rows (their outputs must not depend on timing)."""
+    from fastgen.engine.sequence import Sequence
+    from fastgen.engine.speculator import Speculator
+    from fastgen.engine.step.sampling_metadata import make_generator
+    from fastgen.engine.stop_rules import StopRules
+    from fastgen.planning.speculative import parse_speculative_config
+
+    speculator = Speculator(parse_speculative_config(NGRAM), StopRules())
+    rows = [Sequence(i, f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_new_tokens=100), 0, 0) for i in range(2)]
+    rows[1].generator = make_generator(3, torch.device("cpu"))
+    for seq in rows:
+        seq.num_computed_tokens = seq.num_tokens - 1
+    assert set(speculator.propose(rows)) == {0, 1}
+    speculator.governor.record(2, True, 10, 1.0)
+    speculator.governor.record(2, False, 30, 1.0)
+    assert set(speculator.propose(rows)) == {1}
+
+
+def test_the_engine_reports_decode_steps_to_the_governor(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    pipe = fastgen.pipeline(path, progress=False, token_budget=64, speculative_config=NGRAM)
+    try:
+        pipe([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]], do_sample=False, max_new_tokens=24, ignore_eos=True)
+        speculating, plain = pipe.engine.speculator.governor.rates(2)
+        assert speculating is not None and speculating > 0 and plain is not None and plain > 0
+    finally:
+        pipe.destroy()

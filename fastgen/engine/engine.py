@@ -218,11 +218,21 @@ class Engine:
         output = self.executor.execute(batch)
         updates = self.scheduler.update(batch, output)
         # On a GPU without a sync the next step's time absorbs this one's.
+        seconds = time.perf_counter() - started
         self._num_steps += 1
-        self._step_seconds += time.perf_counter() - started
+        self._step_seconds += seconds
         if self.speculator is not None:
+            self._measure_speculation(batch, output, seconds)
             self._log_acceptance()
         return failed + [self._delta(update) for update in updates]
+
+    def _measure_speculation(self, batch: ScheduledBatch, output: StepOutput, seconds: float) -> None:
+        """Tell the speculator's governor what a step of decode rows alone made, and whether it verified drafts."""
+        if any(chunk.num_new_tokens != 1 for chunk in batch.chunks):
+            return  # a prompt chunk's cost would blur the rate of the choice the step made
+        tokens = sum(len(output.sampled_token_ids.get(chunk.seq.seq_id, ())) for chunk in batch.chunks)
+        self.speculator.governor.record(len(batch.chunks), any(chunk.draft_token_ids for chunk in batch.chunks),
+                                        tokens, seconds)
 
     def _log_acceptance(self) -> None:
         """Every 30 s while speculation verifies drafts: its acceptance so far (vLLM logs the same)."""

@@ -9,7 +9,10 @@ appends what was accepted, plus the bonus or corrected token, under the stop rul
 slots stay the sequence's and are rewritten by a later step.
 
 Which rows draft: decode rows (one token pending) while the step has at most
-`disable_by_batch_size` of them (the plan's measure of where verification stops paying), except
+`disable_by_batch_size` of them (the plan's estimate of where verification stops paying) and, below
+that, while steps of that many rows measured faster verifying drafts than not (`SpeculationGovernor`;
+a seeded row keeps drafting whatever the measurements say, so that its output does not depend on
+timing), except
 rows below their `min_new_tokens` or with `bad_words` (their bans depend on the tokens before each
 position): those decode without drafts, their tokens exactly what plain decoding gives. A row under a
 structured-output grammar keeps the drafts its grammar allows, and each verified position gets the
@@ -32,6 +35,7 @@ MAX_BACKOFF_STEPS = 16
 from fastgen.engine.draft_proposer import DraftModelProposer
 from fastgen.engine.ngram_proposer import NgramProposer
 from fastgen.engine.sequence import Sequence
+from fastgen.engine.speculation_governor import SpeculationGovernor
 from fastgen.engine.stop_rules import StopRules
 from fastgen.planning.speculative import SpeculativeConfig
 
@@ -98,6 +102,8 @@ class Speculator:
         self.ngram = None if draft_model is not None else NgramProposer(
             self.k, config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecDecodeStats()
+        self.governor = SpeculationGovernor(config.disable_by_batch_size)
+        """Which decode batch sizes verify drafts, by what each choice measured (`Engine.step` reports)."""
         self._rows: dict[int, _RowState] = {}
 
     def limit(self, seq: Sequence) -> int:
@@ -121,7 +127,8 @@ class Speculator:
         disable = self.config.disable_by_batch_size
         if not decode_rows or (disable is not None and len(decode_rows) > disable):
             return {}
-        limits = [self.limit(seq) for seq in decode_rows]
+        measured_faster = self.governor.allows(len(decode_rows))
+        limits = [self.limit(seq) if measured_faster or seq.generator is not None else 0 for seq in decode_rows]
         for seq in decode_rows:  # this step counts towards each backing-off row's skip
             state = self._rows.get(seq.seq_id)
             if state is not None and state.skip:

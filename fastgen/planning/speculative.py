@@ -11,7 +11,8 @@ checked at once, accepted by the rejection sampler, so the output is the target'
 
 EAGLE-style heads and MTP layers (vLLM's "eagle", "eagle3", "medusa", "mtp", ...) are refused as not
 implemented yet. A verification step of B rows computes B x (k + 1) tokens: where that costs more than
-the accepted tokens save, the plan turns speculation off for the step (`disable_by_batch_size`).
+the accepted tokens save, the plan turns speculation off for the step (`disable_by_batch_size`); below
+that cap the engine's `SpeculationGovernor` keeps it only where it measures faster.
 """
 
 from __future__ import annotations
@@ -185,6 +186,9 @@ def choose_disable_by_batch_size(config: SpeculativeConfig, step_seconds, draft_
     else:
         why = (f"{head}: it pays up to B={best}; above, speculation is off for the step (at B={best + 1} verifying "
                f"costs {spent * 1e3:.2f} ms against {saved * 1e3:.2f} ms saved)")
+    if best:
+        why += ("; at run time each decode batch size up to that keeps verifying drafts only while its steps measure "
+                "more tok/s with them than without (the slower choice re-measured now and then)")
     return replace(config, disable_by_batch_size=best), why
 
 
