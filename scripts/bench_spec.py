@@ -1,7 +1,7 @@
 """Speculative decoding's speed-up: with and without, alternating in one run, on the real SmolLM2-135M.
 
     .venv/bin/python scripts/bench_spec.py [--model PATH] [--batch-sizes 1,8] [--repeats 2]
-        [--methods ngram,draft] [--num-speculative-tokens 4] [--dtype bfloat16]
+        [--methods ngram,draft] [--num-speculative-tokens 4] [--dtype bfloat16] [--workloads quote,chat]
 
 Two workloads through the model's chat template, greedy (the outputs with and without speculation
 must be identical, and are checked):
@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: the plan's")
     parser.add_argument("--quote-tokens", type=int, default=96)
     parser.add_argument("--chat-tokens", type=int, default=64)
+    parser.add_argument("--workloads", default="quote,chat", help="which of quote, chat to run")
     parser.add_argument("--json", default="bench_results/spec.json")
     parser.add_argument("--plot", default="bench_results/spec.png")
     args = parser.parse_args()
@@ -123,6 +124,7 @@ def main() -> None:
         print(f"{name}: ready in {time.perf_counter() - started:.1f} s; plan: {reasons[name]}", flush=True)
     workloads = {"quote": (chat(pipes["off"], quote_prompts()), args.quote_tokens),
                  "chat": (chat(pipes["off"], QUESTIONS), args.chat_tokens)}
+    workloads = {name: workloads[name] for name in args.workloads.split(",")}
     for name, (prompts, tokens) in workloads.items():  # warm-up: first touches and compiles, untimed
         for pipe in pipes.values():
             pipe(prompts[:2], do_sample=False, max_new_tokens=8)
