@@ -26,6 +26,12 @@ def long_rope_namespace(switch: LongRopeSwitch, seq: Sequence) -> int:
     return int(switch.sequence_is_long(seq.num_prompt_tokens, seq.num_tokens))
 
 
+def kv_namespace(long_rope: LongRopeSwitch | None, seq: Sequence) -> int:
+    """The prefix-cache namespace of `seq`'s KV: its LoRA adapter's (KV computed under one adapter
+    never serves another or the base model), split under LongRoPE by `long_rope_namespace`."""
+    return 2 * seq.lora_id + (0 if long_rope is None else long_rope_namespace(long_rope, seq))
+
+
 def prompt_logit_positions(seq: Sequence, num_new: int) -> range:
     """Positions of a chunk (before it runs) whose logits score the next prompt token: only for the
     sequence that collects the request's prompt logprobs."""
