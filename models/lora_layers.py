@@ -59,7 +59,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The base linear's output plus each adapted row's delta."""
-        out = self.base(x)
+        # Contiguous (a no-op for every base linear today), so that the flat view below is the output itself.
+        out = self.base(x).contiguous()
         slots = self.rows.slots
         if slots is not None:
             add_lora_op(out.view(-1, self.out_features), x.reshape(-1, self.in_features), self.lora_a, self.lora_b,

@@ -5,14 +5,18 @@ a KV cache small enough to force preemption, fewer device slots than adapters, t
 keyed by adapter, and the compiled runner."""
 
 import pytest
+import torch
+import transformers
+from torch import nn
 from torch._dynamo.utils import counters
 
 from fastgen import EngineConfig, SamplingParams
 from fastgen.engine import Engine
 from fastgen.models.lora_layers import lora_stack_bytes
+from fastgen.models.quant import QuantizedLinear, quantize_int8
 from fastgen.planning.model_facts import model_facts
 from fastgen.planning.plan import format_bytes
-from kit_lora import ENGINE, NUM_NEW, TARGETS, Family
+from kit_lora import ENGINE, NUM_NEW, TARGETS, Family, peft_greedy
 
 def make_engine(family: Family, **options) -> Engine:
     """An engine over `family`'s checkpoint with both adapters loaded, EOS off."""
@@ -110,3 +114,21 @@ def test_stacks_take_what_the_plan_says(lora_families):
     assert f"stacks take {format_bytes(allocated)}" in engine.plan.reasons["max_loras"]
     assert len(engine.runner.lora.layers) == 4 * facts.num_layers  # qkv, o, gate_up, down per layer
     assert engine.lora_adapters() == family.adapters
+
+
+def test_int8_base_equals_peft_over_the_dequantized_base(lora_families, tmp_path):
+    """QLoRA-style serving: adapters beside int8 linears. The oracle is peft over HF's model whose
+    decoder-layer linears hold their int8 values times their scales (what the int8 kernel multiplies)."""
+    family = lora_families("llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(family.path, dtype=torch.float32)
+    with torch.no_grad():
+        for module in hf.model.layers.modules():
+            if isinstance(module, nn.Linear):
+                q, scales = quantize_int8(module.weight, torch.float32)
+                module.weight.copy_(q.float() * scales[:, None])
+    hf.save_pretrained(str(tmp_path))
+    want = peft_greedy(str(tmp_path), family.adapters["a"], family.prompts, NUM_NEW)
+    engine = make_engine(family, quantization="int8")
+    assert type(engine.runner.lora.layers["model.layers.0.mlp.down_proj"].base) is QuantizedLinear
+    seqs = generate(engine, family.prompts, ["a"] * len(family.prompts))
+    assert [s.output_token_ids for s in seqs] == want
