@@ -11,7 +11,7 @@ values, never shapes, and nothing recompiles.
 
 Family code calls its linears with their input alone, so the step's per-token adapter slots
 (`AttentionMetadata.lora_slots`) reach them through the model's one `LoRARows`: a forward pre-hook
-on the model points it at the metadata's slots for the call, a forward hook lets go after. The
+on the model groups the metadata's slots once for the call, a forward hook lets go after. The
 delta itself is `fastgen.ops.lora.add_lora_op`, one opaque op per linear.
 """
 
@@ -24,15 +24,23 @@ from torch import nn
 
 from fastgen.models.lora import LoRAAdapter
 from fastgen.models.quant import quantizable_linears
-from fastgen.ops.lora import add_lora_op
+from fastgen.ops.lora import add_lora_op, group_by_slot
 
 
 class LoRARows:
-    """The adapter slot of each row of the step the model is running (None between calls)."""
+    """How the rows of the step the model is running group by adapter slot (None between calls)."""
 
-    def __init__(self) -> None:
-        self.slots: torch.Tensor | None = None
-        """int32 `[T]` slots of the running step's tokens (-1: base model); None: no adapter applies."""
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.order: torch.Tensor | None = None
+        """The step's rows ordered by slot, base-model rows first (`fastgen.ops.lora.group_by_slot`)."""
+        self.counts: torch.Tensor | None = None
+        """Host `[max_loras + 1]`: the step's base-model rows, then the rows of each slot."""
+
+    def bind(self, slot_ids: torch.Tensor | None) -> None:
+        """Group the step's per-token slots (None: the step carries none, every row runs the base model)."""
+        grouped = (None, None) if slot_ids is None else group_by_slot(slot_ids, self.max_loras)
+        self.order, self.counts = grouped
 
 
 class LoRALinear(nn.Module):
@@ -61,10 +69,10 @@ class LoRALinear(nn.Module):
         """The base linear's output plus each adapted row's delta."""
         # Contiguous (a no-op for every base linear today), so that the flat view below is the output itself.
         out = self.base(x).contiguous()
-        slots = self.rows.slots
-        if slots is not None:
+        rows = self.rows
+        if rows.order is not None:
             add_lora_op(out.view(-1, self.out_features), x.reshape(-1, self.in_features), self.lora_a, self.lora_b,
-                        self.lora_scales, slots)
+                        self.lora_scales, rows.order, rows.counts)
         return out
 
     @torch.no_grad()
@@ -126,10 +134,10 @@ class LoRALayers:
 def _bind_rows(rows: LoRARows):
     def bind(module: nn.Module, args: tuple, kwargs: dict) -> None:
         metadata = args[2] if len(args) > 2 else kwargs["attn_metadata"]
-        rows.slots = metadata.lora_slots
+        rows.bind(metadata.lora_slots)
 
     def release(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
-        rows.slots = None
+        rows.bind(None)
 
     return bind, release
 
@@ -141,7 +149,7 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dt
     prepacking or compiling."""
     if max_loras < 1 or max_rank < 1:
         raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
-    rows = LoRARows()
+    rows = LoRARows(max_loras)
     layers = {}
     for name, linear in quantizable_linears(model, quantized=True).items():
         parent_name, _, child = name.rpartition(".")

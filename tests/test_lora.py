@@ -40,7 +40,7 @@ def _adapted_qkv(model, adapters, weight, max_rank=8) -> LoRALinear:
     base = nn.Linear(shape.in_features, shape.out_features, bias=False)
     base.output_sizes = list(shape.output_sizes)
     base.weight.data.copy_(weight)
-    linear = LoRALinear(base, 2, max_rank, LoRARows(), torch.float32, torch.device("cpu"))
+    linear = LoRALinear(base, 2, max_rank, LoRARows(2), torch.float32, torch.device("cpu"))
     assert linear.rank == 3 * max_rank  # q, k and v's pairs stacked along the rank
     for slot, name in enumerate(("a", "b")):
         loaded = load_lora_adapter(name, adapters[name][0], model, max_lora_rank=max_rank)
@@ -49,7 +49,7 @@ def _adapted_qkv(model, adapters, weight, max_rank=8) -> LoRALinear:
 
 
 def _run(linear: LoRALinear, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    linear.rows.slots = slots
+    linear.rows.bind(slots)
     return linear(x)
 
 
