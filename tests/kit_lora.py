@@ -42,12 +42,10 @@ def save_adapter(base_path: str, out_path: str, target_modules: list[str], seed:
     return out_path
 
 
-def peft_greedy(base_path: str, adapter_path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """peft's greedy continuation of each prompt under the adapter at `adapter_path`, EOS off."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(hf, adapter_path).eval()
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
+def greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """A Hugging Face (or peft) model's greedy continuation of each prompt, EOS off."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
     out = []
     with torch.no_grad():
         for prompt in prompts:
@@ -55,6 +53,12 @@ def peft_greedy(base_path: str, adapter_path: str, prompts: list[list[int]], max
                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
             out.append(ids[0, len(prompt):].tolist())
     return out
+
+
+def peft_greedy(base_path: str, adapter_path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """peft's greedy continuation of each prompt under the adapter at `adapter_path`, EOS off."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    return greedy(peft.PeftModel.from_pretrained(hf, adapter_path).eval(), prompts, max_new_tokens)
 
 
 @dataclass

