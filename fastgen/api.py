@@ -63,6 +63,17 @@ def normalise_prompts(prompts: Any, field: str = "prompts", *, flat_ids: bool = 
     return out
 
 
+def _per_prompt_lora(lora: str | None | Seq[str | None], num_prompts: int) -> list[str | None]:
+    """`lora` as one adapter name (or None) per prompt: one name for all, or a list with one per prompt."""
+    if lora is None or isinstance(lora, str):
+        return [lora] * num_prompts
+    if not isinstance(lora, (list, tuple)):
+        raise TypeError(f"lora must be an adapter name, None or a list of them, got {type(lora).__name__}")
+    if len(lora) != num_prompts:
+        raise ValueError(f"lora has {len(lora)} entries for {num_prompts} prompts: give one per prompt")
+    return list(lora)
+
+
 class _PipelineRequest:
     """One request of a pipeline call's `RequestGroup`; whoever steps the engine delivers its deltas
     through the pipeline's `Deliveries`."""
@@ -113,42 +124,58 @@ class Pipeline:
         """The model's Hugging Face tokenizer."""
         return self.engine.tokenizer
 
-    def __call__(self, prompts: Prompts, **gen: Any) -> list[Response]:
+    def __call__(self, prompts: Prompts, lora: str | None | Seq[str | None] = None, **gen: Any) -> list[Response]:
         """Generate for every prompt; one Response per prompt (n per prompt with `n>1`), in input order.
 
-        `gen` are `SamplingParams` fields; MII's `stream` is accepted and changes nothing (use `stream()`).
+        `lora` names the LoRA adapter (`load_lora`) every prompt runs under, or one per prompt (None:
+        the base model). `gen` are `SamplingParams` fields; MII's `stream` is accepted and changes
+        nothing (use `stream()`).
 
         Raises `RequestFailed` if the engine failed one of this call's requests (its other requests
         are aborted; other calls and streams are never affected).
         """
-        return self._group(prompts, gen).results()
+        return self._group(prompts, gen, lora).results()
 
-    def stream(self, prompts: Prompts, **gen: Any) -> Iterator[Response]:
+    def stream(self, prompts: Prompts, lora: str | None | Seq[str | None] = None, **gen: Any) -> Iterator[Response]:
         """Yield text deltas as they are produced, for one or many prompts (see `Response.prompt_index`).
 
         With `return_full_text` the first delta of each completion starts with the prompt, so the
-        deltas add up to the call's text. Closing the generator early aborts the unfinished requests.
+        deltas add up to the call's text; `lora` as in `__call__`. Closing the generator early aborts the
+        unfinished requests.
         """
-        yield from self._group(prompts, gen)
+        yield from self._group(prompts, gen, lora)
 
-    def _group(self, prompts: Prompts, gen: dict[str, Any]) -> RequestGroup:
-        """Validate every prompt and the params, then queue one request per prompt as a group that
-        steps the engine while its reader waits."""
+    def _group(self, prompts: Prompts, gen: dict[str, Any], lora: str | None | Seq[str | None]) -> RequestGroup:
+        """Validate every prompt, the params and the adapters, then queue one request per prompt as a
+        group that steps the engine while its reader waits."""
         engine = self.engine
         gen, _ = split_mii_stream(gen)  # MII's flag: whether the call streams is the method's choice here
         params = SamplingParams.from_kwargs(**gen)
         encoded = [engine.encode_prompt(p) for p in normalise_prompts(prompts)]
+        loras = _per_prompt_lora(lora, len(encoded))
+        for name in loras:
+            engine.lora_id(name)  # an unknown adapter raises before any request is queued
         prefixes = [full_text_prefix(engine.tokenizer, ids, params) for ids in encoded] \
             if params.return_full_text else None
         group = RequestGroup(params.n, drive=self._step, prefixes=prefixes)
 
-        def submit(ids: list[int], sink: Sink) -> _PipelineRequest:
-            request_id = engine.add_request(ids, params)
+        def submit(item: tuple[list[int], str | None], sink: Sink) -> _PipelineRequest:
+            request_id = engine.add_request(item[0], params, lora=item[1])
             self._deliveries.open(request_id, sink, params.n)
             return _PipelineRequest(engine, request_id, self._deliveries)
 
-        group.submit_each(encoded, submit, "prompts")
+        group.submit_each(list(zip(encoded, loras)), submit, "prompts")
         return group
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT LoRA adapter at `path` (`adapter_config.json` + `adapter_model.safetensors`) as
+        `name`, for calls to select with `lora=name`. Needs a pipeline built with `enable_lora=True`; a bad
+        adapter raises ValueError naming the problem and nothing is loaded."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter `name`; refused (ValueError) while an open stream's requests still run under it."""
+        self.engine.unload_lora(name)
 
     def _step(self) -> None:
         """One engine step; every open request's deltas go to its group."""

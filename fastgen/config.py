@@ -104,6 +104,10 @@ if TYPE_CHECKING:
         replica_num: int | None = None
         speculative_config: SpeculativeConfig | dict | str | None = None
         structured_outputs_backend: str | None = None
+        enable_lora: bool | None = None
+        max_loras: int | None = None
+        max_lora_rank: int | None = None
+        max_cpu_loras: int | None = None
 else:
     EngineConfig = dataclasses.make_dataclass(
         "EngineConfig",

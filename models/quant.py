@@ -192,17 +192,18 @@ def _inner_k_tiles(in_features: int) -> int:
     return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
 
 
-def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
+def quantizable_linears(model: nn.Module, quantized: bool = False) -> dict[str, nn.Module]:
     """The linears `quantize_decoder_linears` replaces, by name: those inside the model's decoder
     layers (the children of its `nn.ModuleList`s), less the LM head and the children a module lists
-    in `unquantized_children`. The planner sizes quantized weights from the same list."""
-    targets: dict[str, nn.Linear] = {}
+    in `unquantized_children`; with `quantized`, those it has already replaced too. The planner sizes
+    quantized weights from the same list, and LoRA adapts the same linears."""
+    kinds = (nn.Linear, QuantizedLinear) if quantized else nn.Linear
+    targets: dict[str, nn.Module] = {}
     for list_name, layers in model.named_modules():
         if not isinstance(layers, nn.ModuleList):
             continue
         for name, module in layers.named_modules(prefix=list_name):
-            if type(module) is QuantizedLinear or not isinstance(module, nn.Linear) \
-                    or isinstance(module, ParallelLMHead):
+            if not isinstance(module, kinds) or isinstance(module, ParallelLMHead):
                 continue
             parent_name, _, child = name.rpartition(".")
             if child in getattr(model.get_submodule(parent_name), "unquantized_children", ()):

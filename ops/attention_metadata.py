@@ -34,6 +34,9 @@ class AttentionMetadata:
     """int32 `[S]`: the recurrent-state slot of each sequence, for layers that keep a fixed-size state per
     sequence instead of K/V (hybrid models' linear attention); -1 where a sequence has none. None: the
     step carries no slots (attention layers never read them)."""
+    lora_slots: torch.Tensor | None = None
+    """int32 `[T]`: the LoRA adapter slot of each token (-1: the base model), for the adapted linears
+    (`fastgen.models.lora_layers`); None: the step runs the base model only."""
     step_plans: dict = field(default_factory=dict)
     """What eager layers work out from this metadata once per step and every layer reuses (host copies
     of the offsets, the resolved KV slots, the CPU decode plans, the rotary cos/sin rows of the step's

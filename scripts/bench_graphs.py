@@ -43,7 +43,9 @@ def step_inputs(bucket: int, max_seqs: int, block_size: int) -> HostStepInputs:
             host.positions.append(p)
             host.slot_mapping.append(table[p // block_size] * block_size + p % block_size)
             host.long_rope.append(False)
+            host.lora_slots.append(-1)
         host.seq_lens.append(CONTEXT + n)
+        host.state_slots.append(-1)
         host.query_start_loc.append(host.query_start_loc[-1] + n)
         host.block_tables.append(table)
     return host

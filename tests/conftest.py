@@ -35,3 +35,19 @@ def hf_reference():
         return cache[key]
 
     return reference
+
+
+@pytest.fixture(scope="session")
+def lora_families(tmp_path_factory):
+    """`lora_families(model_type)` -> `kit_lora.Family`: a tiny checkpoint, two random PEFT adapters and
+    the oracle's greedy tokens, built once per session (peft is imported only by the tests that use it)."""
+    from kit_lora import build_family
+
+    built = {}
+
+    def get(model_type: str):
+        if model_type not in built:
+            built[model_type] = build_family(tmp_path_factory.mktemp(f"lora_{model_type}"), model_type)
+        return built[model_type]
+
+    return get

@@ -107,12 +107,12 @@ def test_pick_bucket():
 def test_static_buffers_pad_and_clear_stale_columns():
     buf = StaticBuffers(max_tokens=8, max_seqs=4, max_blocks_per_seq=5, device=torch.device("cpu"))
     long_step = HostStepInputs(list(range(8)), list(range(8)), list(range(8)), [[1, 2, 3, 4, 5]], [8], [0, 8],
-                               [True] * 8, [3], [7])
+                               [True] * 8, [3], [1] * 8, [7])
     buf.fill(long_step, 8)
     short = HostStepInputs([9, 10, 11], [4, 0, 1], [17, 20, 21], [[4, 5], [6]], [5, 2], [0, 1, 3],
-                           [False, True, True], [1, 0], [0, 2])
+                           [False, True, True], [1, 0], [0, -1, 0], [0, 2])
     buf.fill(short, 4)
-    ids, pos, slots, tables, seq_lens, qsl, long_rope, state_slots = buf.views(4)
+    ids, pos, slots, tables, seq_lens, qsl, long_rope, state_slots, lora_slots = buf.views(4)
     assert ids.tolist() == [9, 10, 11, 0] and pos.tolist() == [4, 0, 1, 0]
     assert slots.tolist() == [17, 20, 21, -1]
     assert seq_lens.tolist() == [5, 2, 0, 0]
@@ -120,6 +120,7 @@ def test_static_buffers_pad_and_clear_stale_columns():
     assert long_rope.tolist() == [False, True, True, False]  # the long step's stale flag is padded away
     assert tables.tolist() == [[4, 5, 0, 0, 0], [6, 0, 0, 0, 0], [0] * 5, [0] * 5]
     assert state_slots.tolist() == [1, 0, -1, -1]  # the long step's slot 3 padded away
+    assert lora_slots.tolist() == [0, -1, 0, -1]  # the long step's adapter 1 padded away
     buf.fill(None, 2)
     assert buf.views(2).slot_mapping.tolist() == [-1, -1] and buf.views(2).seq_lens.tolist() == [0, 0]
 

@@ -7,11 +7,12 @@ import peft
 import pytest
 import torch
 import transformers
+from torch import nn
 
 from fastgen.models.config import ModelConfig
 from fastgen.models.loader import build_empty_model
 from fastgen.models.lora import load_lora_adapter
-from fastgen.ops.lora import LoRAStack
+from fastgen.models.lora_layers import LoRALinear, LoRARows
 from kit import build_checkpoint
 
 
@@ -32,26 +33,37 @@ def setup(tmp_path_factory):
     return root, model, adapters
 
 
-def _stack(model, adapters, module, max_rank=8):
-    base = model.get_submodule(module)
-    stack = LoRAStack(2, max_rank * 3, base.in_features, base.out_features)
+def _adapted_qkv(model, adapters, weight, max_rank=8) -> LoRALinear:
+    """A LoRA-wrapped merged q/k/v linear over `weight`, adapter a in slot 0 and b in slot 1."""
+    module = "model.layers.0.self_attn.qkv_proj"
+    shape = model.get_submodule(module)
+    base = nn.Linear(shape.in_features, shape.out_features, bias=False)
+    base.output_sizes = list(shape.output_sizes)
+    base.weight.data.copy_(weight)
+    linear = LoRALinear(base, 2, max_rank, LoRARows(2), torch.float32, torch.device("cpu"))
+    assert linear.rank == 3 * max_rank  # q, k and v's pairs stacked along the rank
     for slot, name in enumerate(("a", "b")):
         loaded = load_lora_adapter(name, adapters[name][0], model, max_lora_rank=max_rank)
-        stack.set(slot, loaded.modules[module].a, loaded.modules[module].b, loaded.scale)
-    return stack
+        linear.set_slot(slot, loaded.modules[module].a, loaded.modules[module].b, loaded.scale)
+    return linear
+
+
+def _run(linear: LoRALinear, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    linear.rows.bind(slots)
+    return linear(x)
 
 
 def test_mixed_batch_matches_peft(setup):
     _, model, adapters = setup
-    stack = _stack(model, adapters, "model.layers.0.self_attn.qkv_proj")
     torch.manual_seed(0)
     x = torch.randn(6, 64)
     slots = torch.tensor([-1, 0, 1, 0, -1, 1])
     layers = {n: pm.base_model.model.model.layers[0].self_attn for n, (_, pm) in adapters.items()}
     attn = layers["a"]
     base_w = torch.cat([attn.q_proj.base_layer.weight, attn.k_proj.weight, attn.v_proj.base_layer.weight])
-    out = stack.apply(x @ base_w.t(), x, slots)
+    linear = _adapted_qkv(model, adapters, base_w)
     with torch.no_grad():
+        out = _run(linear, x, slots)
         for row, slot in enumerate(slots.tolist()):
             xr = x[row:row + 1]
             if slot < 0:
@@ -60,9 +72,11 @@ def test_mixed_batch_matches_peft(setup):
                 a = layers["ab"[slot]]
                 want = torch.cat([a.q_proj(xr), a.k_proj(xr), a.v_proj(xr)], dim=1)
             torch.testing.assert_close(out[row:row + 1], want, rtol=1e-5, atol=1e-5)
-            alone = stack.apply(xr @ base_w.t(), xr, slots[row:row + 1])
+            alone = _run(linear, xr, slots[row:row + 1])
             torch.testing.assert_close(out[row:row + 1], alone, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(out[1], out[0])
+        assert not torch.equal(out[1], out[0])
+        linear.set_slot(0, None, None, 0.0)  # an emptied slot adds nothing
+        torch.testing.assert_close(_run(linear, x[1:2], slots[1:2]), x[1:2] @ base_w.t())
 
 
 def test_rslora_scale(setup):

@@ -244,7 +244,8 @@ def test_torchrun_sigterm_leaves_ranks_above_0_to_rank_0(rank_0, tiny_checkpoint
 def test_step_inputs_survive_the_broadcast_encoding():
     host = HostStepInputs(input_ids=[3, 4, 5, 6], positions=[0, 1, 7, 2], slot_mapping=[8, 9, 30, 2],
                           block_tables=[[1], [3, 4, 5], [0]], seq_lens=[2, 8, 3], query_start_loc=[0, 2, 3, 4],
-                          long_rope=[False, True, True, False], state_slots=[2, -1, 0], logits_indices=[1, 2, 3])
+                          long_rope=[False, True, True, False], state_slots=[2, -1, 0], lora_slots=[1, 1, -1, 0],
+                          logits_indices=[1, 2, 3])
     header, payload = host.pack(CMD_STEP)
     assert header.tolist()[0] == CMD_STEP and len(payload) == HostStepInputs.payload_size(header.tolist())
     assert HostStepInputs.unpack(header.tolist(), payload) == dataclasses.replace(

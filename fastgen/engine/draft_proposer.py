@@ -103,6 +103,7 @@ class DraftModelProposer:
             host.positions.extend(range(start, end))
             host.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             host.long_rope.extend([False] * len(tokens))
+            host.lora_slots.extend([-1] * len(tokens))  # the draft model carries no adapters
             host.seq_lens.append(end)
             host.query_start_loc.append(host.query_start_loc[-1] + len(tokens))
             host.block_tables.append(table)

@@ -31,7 +31,8 @@ from fastgen.engine.step.sampling_metadata import make_generator
 from fastgen.engine.scheduler import ScheduledBatch, Scheduler
 from fastgen.engine.sequence import Sequence, SequenceStatus
 from fastgen.engine.speculator import Speculator
-from fastgen.engine.step.inputs import long_rope_namespace
+from fastgen.engine.lora_manager import LoRAManager
+from fastgen.engine.step.inputs import kv_namespace
 from fastgen.engine.step.executor import StepExecutor
 from fastgen.engine.step.output import SequenceUpdate, StepOutput
 from fastgen.engine.stop_rules import StopRules
@@ -86,15 +87,19 @@ class Engine:
                                           self.config.enable_prefix_caching and not plan.state_slots,
                                           num_state_slots=plan.state_slots)
         self.long_rope = long_rope_switch(runner.model)
-        namespace = None if self.long_rope is None else functools.partial(long_rope_namespace, self.long_rope)
+        self.lora = None if runner.lora is None else LoRAManager(runner.model, runner.lora, plan.max_cpu_loras,
+                                                                 plan.dtype)
+        """The engine's LoRA adapters (None: the plan's enable_lora is off)."""
+        namespace = None if self.long_rope is None and self.lora is None else functools.partial(
+            kv_namespace, self.long_rope)
         self.stop_rules = StopRules(eos_token_ids, self.max_model_len)
         self.speculator = self._speculator(plan, draft_runner)
         self.scheduler = Scheduler(self.block_manager, plan.token_budget, plan.max_seqs, namespace,
-                                   plan.context_per_budget_token, self.stop_rules, self.speculator)
+                                   plan.context_per_budget_token, self.stop_rules, self.speculator, plan.max_loras)
         self.structured_outputs = StructuredOutputManager(plan.structured_outputs_backend, tokenizer,
                                                           self.vocab_size, self.stop_rules)
         self.executor = StepExecutor(runner, self.block_manager, self.stop_rules, self.long_rope, tp_group,
-                                     self.structured_outputs, self.speculator)
+                                     self.structured_outputs, self.speculator, self.lora)
         self.admission = Admission(tokenizer, self.vocab_size, self.max_model_len, self.structured_outputs)
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
@@ -155,9 +160,11 @@ class Engine:
         return self.admission.prepare(prompt, params)
 
     def add_request(self, prompt: str | Seq[int] | PreparedRequest, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate (unless `prompt` is already a `PreparedRequest`) and queue a request; returns its
-        id. Raises before changing any state."""
+                    request_id: str | None = None, lora: str | None = None) -> str:
+        """Validate (unless `prompt` is already a `PreparedRequest`) and queue a request, run under the
+        LoRA adapter named `lora` (None: the base model); returns its id. Raises before changing any
+        state (`UnknownLoRAError` for an adapter not loaded)."""
+        lora_id = self.lora_id(lora)
         if isinstance(prompt, PreparedRequest):
             if params is not None:
                 raise TypeError("a PreparedRequest carries its own params: do not pass params as well")
@@ -179,6 +186,7 @@ class Engine:
             seq.stream = TextStream(self.tokenizer, ids, params.stop, params.skip_special_tokens,
                                     include_stop=params.include_stop_str_in_output)
             seq.bad_words_ids = prepared.bad_words_ids
+            seq.lora_id = lora_id
             if prepared.grammar is not None:
                 seq.grammar = prepared.grammar.for_sequence()
             seqs.append(seq)
@@ -186,6 +194,40 @@ class Engine:
         if not seqs[0].ready:
             self.structured_outputs.track(request_id, seqs[0].grammar)
         return request_id
+
+    # LoRA adapters ---------------------------------------------------------------------------
+
+    def lora_id(self, name: str | None) -> int:
+        """The `lora_id` requests naming adapter `name` run under (0 for None: the base model)."""
+        if name is None:
+            return 0
+        if not isinstance(name, str):
+            raise TypeError(f"lora must be an adapter's name (str) or None, got {type(name).__name__}")
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {name!r} requested but this engine serves none: build it with "
+                             "enable_lora=True and load_lora(name, path)")
+        return self.lora.get(name).lora_id
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Read, check and register the PEFT adapter at `path` under `name`, for requests to name.
+        ValueError, naming the problem, for a bad adapter (nothing is loaded; serving goes on)."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: build it with enable_lora=True")
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`. Refused (ValueError) while unfinished requests run under it: they are
+        never broken; unload once they end (or abort them)."""
+        lora_id = self.lora_id(name)
+        users = sorted(rid for rid, seqs in self.requests.items() if any(s.lora_id == lora_id for s in seqs))
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished request(s) "
+                             f"({', '.join(map(repr, users[:5]))}): unload it once they end")
+        self.lora.unload(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded adapters: name -> directory."""
+        return {} if self.lora is None else {name: a.path for name, a in self.lora.adapters.items()}
 
     def abort(self, request_id: str) -> list[Response]:
         """Stop a request now and free its KV blocks; returns its final responses (unknown id: [])."""
@@ -310,6 +352,7 @@ class Engine:
             self.abort(request_id)
         self.runner = None
         self.executor = None
+        self.lora = None  # it holds the model too
         self.structured_outputs.shutdown()
         if self.tp_group is not None:
             self._stop_workers()

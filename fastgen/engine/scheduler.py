@@ -29,6 +29,10 @@ so the oldest request always makes progress: nothing starves.
 A running sequence whose KV namespace (`kv_namespace`) changes is requeued the same way, its KV
 recomputed: Phi-3's LongRoPE computes every token with other factors once a sequence outgrows
 `original_max_position_embeddings`, as Hugging Face's generate does.
+
+With LoRA a step uses at most `max_loras` distinct adapters (the device slots): a running sequence
+whose adapter would make one more waits for a later step, and admission stops at the first waiting
+sequence whose adapter does not fit, as it stops when blocks run out, so FCFS holds.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ class ScheduledBatch:
     """Sequences preempted while building this batch (their KV was freed)."""
     budget_spent: int = 0
     """Token budget the chunks spent: their tokens plus the attention charge of prompt chunks."""
+    lora_ids: set[int] = field(default_factory=set)
+    """The LoRA adapters the chunks run under (`Sequence.lora_id`; the base model's 0 not counted)."""
 
     @property
     def num_tokens(self) -> int:
@@ -96,8 +102,10 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, token_budget: int, max_seqs: int,
                  kv_namespace: Callable[[Sequence], int] | None = None, context_per_budget_token: int = 0,
-                 stop_rules: StopRules | None = None, speculator: Speculator | None = None) -> None:
+                 stop_rules: StopRules | None = None, speculator: Speculator | None = None,
+                 max_loras: int = 0) -> None:
         """`stop_rules`: when sequences finish (default: by their own `SamplingParams` only).
+        `max_loras`: distinct LoRA adapters a step may use (0: LoRA is off, every sequence runs the base).
         `speculator`: proposes draft tokens for decode rows (None: no speculative decoding).
         `kv_namespace(seq)`: the prefix-cache namespace a sequence's KV is computed in now (None:
         always 0; see `BlockManager.match_prefix`). `context_per_budget_token`: the attention charge
@@ -123,6 +131,7 @@ class Scheduler:
         self.kv_namespace = kv_namespace
         self.context_per_budget_token = context_per_budget_token
         self.speculator = speculator
+        self.max_loras = max_loras
 
     def add_request(self, seqs: list[Sequence]) -> None:
         """Queue a request's choices (one `Sequence` each, same request id and prompt): the first by
@@ -162,8 +171,8 @@ class Scheduler:
         for seq in running:
             if self._left(batch) <= 0 or len(batch.chunks) == self.max_seqs:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or not self._lora_fits(batch, seq):
+                continue  # preempted earlier in this loop, or its adapter has no device slot this step
             num_new = self.fit(seq, self._left(batch))
             draft = drafts.get(seq.seq_id, [])[:self._left(batch) - num_new]
             if draft and not self.block_manager.allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new,
@@ -194,6 +203,11 @@ class Scheduler:
                 low, high = (mid, high) if self.charge(seq, mid) <= budget else (low, mid - 1)
         return high
 
+    def _lora_fits(self, batch: ScheduledBatch, seq: Sequence) -> bool:
+        """Whether `seq` may join the step: it runs the base model, an adapter already in the step, or
+        one that a free device slot can take."""
+        return not seq.lora_id or seq.lora_id in batch.lora_ids or len(batch.lora_ids) < self.max_loras
+
     def _left(self, batch: ScheduledBatch) -> int:
         return self.token_budget - batch.budget_spent
 
@@ -207,6 +221,8 @@ class Scheduler:
     def _add(self, batch: ScheduledBatch, seq: Sequence, num_new: int, draft: list[int] | None = None) -> None:
         draft = draft or []
         batch.budget_spent += self.charge(seq, num_new) + len(draft)
+        if seq.lora_id:
+            batch.lora_ids.add(seq.lora_id)
         batch.chunks.append(ScheduledChunk(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens, draft))
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
@@ -229,7 +245,7 @@ class Scheduler:
         while self._left(batch) > 0 and len(batch.chunks) < self.max_seqs:
             # A sequence whose grammar still compiles keeps its place and lets the ones behind it go.
             seq = next((s for s in self.waiting if s.ready), None)
-            if seq is None:
+            if seq is None or not self._lora_fits(batch, seq):
                 break
             # Cached tokens have no logits: a request for prompt logprobs computes its whole prompt.
             if seq.num_computed_tokens == 0 and seq.prompt_logprobs is None:

@@ -31,6 +31,7 @@ class Sequence:
         "seq_id", "request_id", "index", "arrival", "params", "prompt_token_ids", "output_token_ids", "token_ids",
         "num_computed_tokens", "status", "finish_reason", "generator", "logprobs", "stream", "text",
         "children", "num_cached_prompt_tokens", "num_preemptions", "bad_words_ids", "prompt_logprobs", "grammar",
+        "lora_id",
     )
 
     def __init__(
@@ -70,6 +71,8 @@ class Sequence:
         self.num_preemptions = 0
         self.grammar: SequenceGrammar | None = None
         """Its structured-output constraint (None: unconstrained)."""
+        self.lora_id = 0
+        """The LoRA adapter it runs under (`LoRAManager.lora_id`; 0: the base model)."""
 
     @property
     def num_prompt_tokens(self) -> int:

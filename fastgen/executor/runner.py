@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from fastgen.models.config import ModelConfig
 from fastgen.models.layers import decoder_layers
 from fastgen.models.loader import LoadedModel, load_model
+from fastgen.models.lora_layers import attach_lora
 from fastgen.models.packed import prepack_linears
 from fastgen.models.parallel import SINGLE, TensorParallel
 from fastgen.models.registry import get_model_class
@@ -105,6 +106,10 @@ class ModelRunner:
             raise ValueError("cuda_graphs need a bucket list (each bucket is one captured static shape)")
         self.attention_backend = attention_backend
         self.model = model
+        # Before prepacking (which then packs each adapted linear's base) and compiling (which then takes
+        # the adapter stacks as graph inputs).
+        self.lora = attach_lora(model, plan.max_loras, plan.max_lora_rank, dtype, device) if plan.enable_lora else None
+        """The model's LoRA linears, whose slots the engine's adapter manager fills (None: LoRA is off)."""
         if plan.weight_prepack:
             prepack_linears(model, gemv=plan.gemv_weights)
         self.offload = install_offload(model, spec, device)

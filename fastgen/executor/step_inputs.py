@@ -47,12 +47,16 @@ class StepTensors(NamedTuple):
     state_slots: Tensor
     """[S] int32 recurrent-state slot of each sequence (padding: -1; -1 too for models without state,
     whose layers never read it)."""
+    lora_slots: Tensor
+    """[T] int32 LoRA adapter slot of each token (padding: -1; -1 too for a token of the base model,
+    and for every token of an engine without LoRA)."""
 
     def metadata(self, backend: str) -> AttentionMetadata:
         """The attention metadata of this step."""
         return AttentionMetadata(slot_mapping=self.slot_mapping, block_tables=self.block_tables,
                                  seq_lens=self.seq_lens, query_start_loc=self.query_start_loc, backend=backend,
-                                 long_rope=self.long_rope, state_slots=self.state_slots)
+                                 long_rope=self.long_rope, state_slots=self.state_slots,
+                                 lora_slots=self.lora_slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,7 @@ STEP_FIELDS: dict[str, FieldSpec] = {
     "query_start_loc": FieldSpec(torch.int32, "seqs+1", 0),
     "long_rope": FieldSpec(torch.bool, "tokens", 0),
     "state_slots": FieldSpec(torch.int32, "seqs", -1),
+    "lora_slots": FieldSpec(torch.int32, "tokens", -1),
 }
 """The step tensors, in `StepTensors` order."""
 assert tuple(STEP_FIELDS) == StepTensors._fields
@@ -106,6 +111,8 @@ class HostStepInputs:
     outgrown `original_max_position_embeddings`)."""
     state_slots: list[int]
     """Recurrent-state slot of each sequence `[S]` (-1: the model keeps no state)."""
+    lora_slots: list[int]
+    """LoRA adapter slot of each token `[T]` (-1: the base model), its sequence's adapter's device slot."""
     logits_indices: list[int]
     """Token rows whose logits are computed, per chunk in order: the positions whose logits score
     the next prompt token (the rows of a request that asked for prompt logprobs), then its last
@@ -114,7 +121,7 @@ class HostStepInputs:
     @classmethod
     def empty(cls) -> HostStepInputs:
         """A step with no tokens yet (`query_start_loc` holds its leading 0)."""
-        return cls([], [], [], [], [], [0], [], [], [])
+        return cls([], [], [], [], [], [0], [], [], [], [])
 
     @classmethod
     def padding(cls, num_tokens: int, num_seqs: int) -> HostStepInputs:

@@ -63,6 +63,9 @@ class ModelFacts:
     layer_params: int = 0
     """Parameters inside the decoder layers: what weight offload can stream layer by layer (the
     embeddings, LM head and final norm always stay resident)."""
+    lora_linears: tuple[tuple[int, int, int], ...] = ()
+    """(out, in, merged projections) of each linear LoRA adapts (the same as `quantized_linears`): what
+    sizes the adapter slots' stacks."""
 
     def layer_weight_bytes(self, dtype: torch.dtype, quantization: str = "none",
                            group_size: int = DEFAULT_GROUP_SIZE) -> int:
@@ -129,6 +132,8 @@ def facts_from_config(config: ModelConfig) -> ModelFacts:
         config=model.config,
         quantized_linears=tuple((m.out_features, m.in_features) for m in quantizable_linears(model).values()),
         layer_params=sum(p.numel() for p in decoder_layers(model).parameters()),
+        lora_linears=tuple((m.out_features, m.in_features, len(getattr(m, "output_sizes", (m.out_features,))))
+                           for m in quantizable_linears(model).values()),
     )
 
 

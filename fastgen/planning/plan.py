@@ -204,6 +204,20 @@ class Plan:
         'the grammar library behind structured outputs and tool calling: "xgrammar" (grammars precompiled to '
         'per-state token masks, CPU and CUDA bitmask kernels) or "llguidance" (masks computed per step, no '
         "precompile; also takes whitespace_pattern)", "str | None", str, _check_choice(STRUCTURED_OUTPUTS_BACKENDS))
+    enable_lora: bool = plan_field(
+        "serve LoRA adapters (PEFT format) beside the base model: each adaptable linear of the decoder layers gets "
+        "max_loras stacked adapter slots, and each request may name an adapter (load_lora / lora=...)",
+        "bool | None", parse_bool, _check_bool)
+    max_loras: int = plan_field(
+        "distinct LoRA adapters one step may use (device slots; the scheduler holds back a request whose adapter "
+        "would make more); 0 with LoRA off", "int | None", int, _check_non_negative_int)
+    max_lora_rank: int = plan_field(
+        "largest adapter rank (PEFT's r) a slot holds; an adapter with a larger one is refused at load; 0 with "
+        "LoRA off", "int | None", int, _check_non_negative_int)
+    max_cpu_loras: int = plan_field(
+        "adapters kept read and checked in host memory (least recently used evicted, then read again from "
+        "their directory when next used), at least max_loras; 0 with LoRA off", "int | None", int,
+        _check_non_negative_int)
     reasons: dict[str, str] = field(default_factory=dict)
     """Field name -> one line saying why it has its value (one for every other field)."""
 

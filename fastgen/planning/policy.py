@@ -20,6 +20,7 @@ import torch
 from fastgen.models.quant import DEFAULT_GROUP_SIZE
 from fastgen.ops.packed_linear import PREPACK_DTYPES, prepack_available
 from fastgen.planning.hardware import Hardware, detect_hardware
+from fastgen.planning.lora_plan import choose_lora, without_graphs_for_lora
 from fastgen.planning.memory import (CPU_KV_RAM_FRACTION, GPU_MEMORY_FRACTION, activation_reserve,
                                      check_fits, choose_group_size, choose_quantization, divides_heads, gpu_need,
                                      kv_room, tp_candidates, usable_gpu_bytes, weights_label)
@@ -135,12 +136,16 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     compile_mode = pick("compile", lambda: _choose_compile(model, hardware, prepack))
     if stream.offload != "none" and graphs:
         graphs = _without_graphs_for_offload(user, stream.offload, reasons)
+    lora = choose_lora(model, user, dtype, tp, stream.offload)
+    reasons.update(lora.reasons)
+    if lora.enable_lora and graphs:
+        graphs = without_graphs_for_lora(user, reasons)
     if compile_mode == "off" and not graphs and "buckets" not in user:
         reasons["buckets"] += "; unused while compile is off and there are no CUDA graphs (steps run at exact shapes)"
     # With offload only weight_memory stays on the device; a "cpu" source on a CPU takes RAM besides.
     resident = weights if stream.offload == "none" else stream.weight_memory * tp
     room = kv_room(hardware, resident + (stream.host_bytes if cpu else 0), tp, reserve(tp))
-    room -= state_slots * model.config.state_bytes_per_seq(dtype, tp)
+    room -= state_slots * model.config.state_bytes_per_seq(dtype, tp) + lora.stack_bytes
     kv = _choose_kv_memory(model, hardware, dtype, tp, room, max_seqs, block_size, user.get("kv_cache_memory"))
     reasons["kv_cache_memory"] = kv[1]
     spec = pick("speculative_config", lambda: (None, "off: no speculative_config given"))
@@ -154,7 +159,9 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
                 block_size=block_size, state_slots=state_slots,
                 kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory,
                 weight_prepack=prepack, gemv_weights=gemv, tensor_parallel=tp, replica_num=replicas,
-                speculative_config=spec, structured_outputs_backend=grammar, reasons=reasons)
+                speculative_config=spec, structured_outputs_backend=grammar, enable_lora=lora.enable_lora,
+                max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank, max_cpu_loras=lora.max_cpu_loras,
+                reasons=reasons)
 
 
 # Decisions ------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from fastgen.engine.block_manager import BlockManager
 from fastgen.engine.grammar import StructuredOutputManager
+from fastgen.engine.lora_manager import LoRAManager
 from fastgen.engine.rejection_sampler import RejectionSampler
 from fastgen.engine.speculator import Speculator
 from fastgen.engine.step.row_sampling import sample_rows, score_prompt_tokens, verify_rows
@@ -38,11 +39,12 @@ class StepExecutor:
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, stop_rules: StopRules,
                  long_rope: LongRopeSwitch | None = None, tp_group: TensorParallelGroup | None = None,
                  structured_outputs: StructuredOutputManager | None = None,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, lora: LoRAManager | None = None) -> None:
         """`stop_rules` say which tokens a row may not sample yet; `long_rope` is the model's LongRoPE
         switch; `tp_group` runs each step on every rank (None: this process alone);
         `structured_outputs` fills the grammar bitmask of constrained rows (None: no row is);
-        `speculator` counts what verification of draft tokens accepts (None: no row has drafts)."""
+        `speculator` counts what verification of draft tokens accepts (None: no row has drafts);
+        `lora` puts each step's adapters into device slots (None: LoRA is off)."""
         self.structured_outputs = structured_outputs
         self.runner = runner
         self.block_manager = block_manager
@@ -52,6 +54,7 @@ class StepExecutor:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.speculator = speculator
+        self.lora = lora
         self.vocab_size = runner.config.vocab_size
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
@@ -83,7 +86,8 @@ class StepExecutor:
         return output
 
     def _execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        host = build_host_inputs(chunks, self.block_manager, self.long_rope)
+        lora_slots = None if self.lora is None else self.lora.activate({c.seq.lora_id for c in chunks} - {0})
+        host = build_host_inputs(chunks, self.block_manager, self.long_rope, lora_slots)
         if self.tp_group is not None:
             return self.tp_group.run_step(host, self.runner.execute)
         return self.runner.execute(host)

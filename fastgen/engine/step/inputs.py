@@ -1,9 +1,10 @@
 """Flattens a scheduled batch into the executor's `HostStepInputs` (the engine's side of the step
 contract: which tokens, at which positions, into which KV slots and recurrent-state slots, with which
-LongRoPE factors, and whose logits are needed)."""
+LongRoPE factors and LoRA adapter, and whose logits are needed)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from fastgen.engine.block_manager import BlockManager
@@ -25,6 +26,12 @@ def long_rope_namespace(switch: LongRopeSwitch, seq: Sequence) -> int:
     return int(switch.sequence_is_long(seq.num_prompt_tokens, seq.num_tokens))
 
 
+def kv_namespace(long_rope: LongRopeSwitch | None, seq: Sequence) -> int:
+    """The prefix-cache namespace of `seq`'s KV: its LoRA adapter's (KV computed under one adapter
+    never serves another or the base model), split under LongRoPE by `long_rope_namespace`."""
+    return 2 * seq.lora_id + (0 if long_rope is None else long_rope_namespace(long_rope, seq))
+
+
 def prompt_logit_positions(seq: Sequence, num_new: int) -> range:
     """Positions of a chunk (before it runs) whose logits score the next prompt token: only for the
     sequence that collects the request's prompt logprobs."""
@@ -35,9 +42,11 @@ def prompt_logit_positions(seq: Sequence, num_new: int) -> range:
 
 
 def build_host_inputs(chunks: list[ScheduledChunk], block_manager: BlockManager,
-                      long_rope: LongRopeSwitch | None = None) -> HostStepInputs:
+                      long_rope: LongRopeSwitch | None = None,
+                      lora_slots: Mapping[int, int] | None = None) -> HostStepInputs:
     """Flatten scheduled chunks into `HostStepInputs`; `long_rope` is the model's LongRoPE switch
-    (None: no token takes long factors beyond what its position implies).
+    (None: no token takes long factors beyond what its position implies); `lora_slots` maps each
+    adapter of the step (`Sequence.lora_id`; 0, the base model, needs none) to the device slot holding it.
 
     Each chunk's logits rows, in order: its `prompt_logit_positions`, then, when it `samples`, its
     last token and each of its draft tokens (a verification row: k + 1 rows)."""
@@ -57,6 +66,7 @@ def build_host_inputs(chunks: list[ScheduledChunk], block_manager: BlockManager,
         # Positions >= original_max take the long factors by position; the flag covers the ones below.
         long = long_rope is not None and long_rope.sequence_is_long(seq.num_prompt_tokens, seq.num_tokens)
         out.long_rope.extend([long] * (stop - start))
+        out.lora_slots.extend([lora_slots[seq.lora_id] if seq.lora_id else -1] * (stop - start))
         out.seq_lens.append(stop)
         out.query_start_loc.append(out.query_start_loc[-1] + stop - start)
         out.block_tables.append(table)

@@ -1,0 +1,169 @@
+"""LoRA beside the decoder's linears, for every family in one place.
+
+`attach_lora(model, max_loras, max_rank)` wraps each linear inside the decoder layers (the ones
+quantization takes, already quantized ones included; not the embedding, the LM head, MoE routers
+or stacked experts) in a `LoRALinear`: the base linear as it was, plus buffers
+`lora_a[max_loras, R, in]`, `lora_b[max_loras, out, R]` and `lora_scales[max_loras]`, where R is
+`max_rank` times the checkpoint projections merged into the linear (q/k/v: 3, gate/up: 2), since an
+adapter's pairs for a merged linear are stacked along the rank (`fastgen.models.lora`). They are
+buffers so that a compiled layer takes them as graph inputs: writing an adapter into a slot changes
+values, never shapes, and nothing recompiles.
+
+Family code calls its linears with their input alone, so the step's per-token adapter slots
+(`AttentionMetadata.lora_slots`) reach them through the model's one `LoRARows`: a forward pre-hook
+on the model groups the metadata's slots once for the call, a forward hook lets go after. The
+delta itself is `fastgen.ops.lora.add_lora_op`, one opaque op per linear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from fastgen.models.lora import LoRAAdapter
+from fastgen.models.quant import quantizable_linears
+from fastgen.ops.lora import add_lora_op, group_by_slot
+
+
+class LoRARows:
+    """How the rows of the step the model is running group by adapter slot (None between calls)."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.order: torch.Tensor | None = None
+        """The step's rows ordered by slot, base-model rows first (`fastgen.ops.lora.group_by_slot`)."""
+        self.counts: torch.Tensor | None = None
+        """Host `[max_loras + 1]`: the step's base-model rows, then the rows of each slot."""
+
+    def bind(self, slot_ids: torch.Tensor | None) -> None:
+        """Group the step's per-token slots (None: the step carries none, every row runs the base model)."""
+        grouped = (None, None) if slot_ids is None else group_by_slot(slot_ids, self.max_loras)
+        self.order, self.counts = grouped
+
+
+class LoRALinear(nn.Module):
+    """A base linear plus the LoRA delta of each row's adapter slot (`fastgen.ops.lora`)."""
+
+    def __init__(self, base: nn.Module, max_loras: int, max_rank: int, rows: LoRARows, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features, self.out_features = base.in_features, base.out_features
+        if hasattr(base, "output_sizes"):
+            self.output_sizes = base.output_sizes
+        self.rank = max_rank * len(getattr(base, "output_sizes", (base.out_features,)))
+        self.register_buffer("lora_a", torch.zeros(max_loras, self.rank, self.in_features, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, self.rank, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("lora_scales", torch.zeros(max_loras, dtype=dtype, device=device), persistent=False)
+        self.rows = rows
+
+    def extra_repr(self) -> str:
+        """Sizes shown by `print(model)`."""
+        return f"max_loras={self.lora_a.shape[0]}, rank={self.rank}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The base linear's output plus each adapted row's delta."""
+        # Contiguous (a no-op for every base linear today), so that the flat view below is the output itself.
+        out = self.base(x).contiguous()
+        rows = self.rows
+        if rows.order is not None:
+            add_lora_op(out.view(-1, self.out_features), x.reshape(-1, self.in_features), self.lora_a, self.lora_b,
+                        self.lora_scales, rows.order, rows.counts)
+        return out
+
+    @torch.no_grad()
+    def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, scale: float) -> None:
+        """Put adapter weights `a[r, in]`, `b[out, r]` (r <= `rank`) and its scale into `slot`; None
+        empties it (all zeros: a row pointing at it gets no delta from this linear)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.lora_scales[slot] = 0.0
+        if a is None:
+            return
+        rank = a.shape[0]
+        if rank > self.rank or tuple(a.shape) != (rank, self.in_features) or tuple(b.shape) != (self.out_features,
+                                                                                                 rank):
+            raise ValueError(f"LoRA shapes A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a linear of "
+                             f"in={self.in_features}, out={self.out_features}, rank <= {self.rank}")
+        self.lora_a[slot, :rank].copy_(a)
+        self.lora_b[slot, :, :rank].copy_(b)
+        self.lora_scales[slot] = scale
+
+
+class LoRALayers:
+    """A model's `LoRALinear`s by module name: where an adapter manager writes adapters into slots."""
+
+    def __init__(self, layers: dict[str, LoRALinear], max_loras: int, max_rank: int) -> None:
+        self.layers = layers
+        """Module name (`model.layers.0.self_attn.qkv_proj`) -> its LoRA linear."""
+        self.max_loras = max_loras
+        """Device slots: distinct adapters one step may use."""
+        self.max_rank = max_rank
+        """Largest adapter rank (PEFT's `r`) a slot holds."""
+
+    def check(self, adapter: LoRAAdapter) -> None:
+        """ValueError when `adapter` adapts a module that carries no LoRA here or outgrows its stack."""
+        for name, module in adapter.modules.items():
+            layer = self.layers.get(name)
+            if layer is None:
+                raise ValueError(f"LoRA adapter {adapter.name!r}: module {name!r} cannot carry LoRA here (adaptable: "
+                                 f"the linears inside the decoder layers, not routers, stacked experts, "
+                                 f"embeddings or the LM head)")
+            if module.rank > layer.rank:
+                raise ValueError(f"LoRA adapter {adapter.name!r}: {name} needs rank {module.rank}, over its stack's "
+                                 f"{layer.rank} (max_lora_rank {self.max_rank})")
+
+    def write(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Put `adapter` into device slot `slot` of every LoRA linear (None: empty the slot)."""
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"LoRA slot {slot} is outside [0, {self.max_loras})")
+        if adapter is not None:
+            self.check(adapter)
+        for name, layer in self.layers.items():
+            module = None if adapter is None else adapter.modules.get(name)
+            if module is None:
+                layer.set_slot(slot, None, None, 0.0)
+            else:
+                layer.set_slot(slot, module.a, module.b, adapter.scale)
+
+
+def _bind_rows(rows: LoRARows):
+    def bind(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        metadata = args[2] if len(args) > 2 else kwargs["attn_metadata"]
+        rows.bind(metadata.lora_slots)
+
+    def release(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
+        rows.bind(None)
+
+    return bind, release
+
+
+def attach_lora(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> LoRALayers:
+    """Wrap `model`'s adaptable linears in `LoRALinear`s (in place, stacks of `dtype` on `device`, each
+    slot empty) and have the model's forward hand them its step's slots; returns them. Call it before
+    prepacking or compiling."""
+    if max_loras < 1 or max_rank < 1:
+        raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
+    rows = LoRARows(max_loras)
+    layers = {}
+    for name, linear in quantizable_linears(model, quantized=True).items():
+        parent_name, _, child = name.rpartition(".")
+        layers[name] = LoRALinear(linear, max_loras, max_rank, rows, dtype, torch.device(device))
+        setattr(model.get_submodule(parent_name), child, layers[name])
+    bind, release = _bind_rows(rows)
+    model.register_forward_pre_hook(bind, with_kwargs=True)
+    model.register_forward_hook(release, with_kwargs=True)
+    return LoRALayers(layers, max_loras, max_rank)
+
+
+def lora_stack_bytes(linears: Iterable[tuple[int, int, int]], max_loras: int, max_rank: int,
+                     dtype: torch.dtype) -> int:
+    """Bytes of the LoRA stacks `attach_lora` allocates for linears of `(out, in, merged projections)`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_slot = sum(max_rank * shards * (out + inp) + 1 for out, inp, shards in linears)
+    return max_loras * per_slot * itemsize

