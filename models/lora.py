@@ -124,9 +124,12 @@ def _positive_number(config: dict, key: str, where: str) -> float:
 
 
 def _linears(model: nn.Module) -> dict[str, nn.Module]:
-    """The model's linears by module name (anything with `in_features`/`out_features`, quantized included)."""
-    return {name: module for name, module in model.named_modules()
-            if hasattr(module, "in_features") and hasattr(module, "out_features")}
+    """The model's linears by module name (anything with `in_features`/`out_features`, quantized included;
+    a LoRA-wrapped linear of `fastgen.models.lora_layers` under its own name, not its base's)."""
+    linears = {name: module for name, module in model.named_modules()
+               if hasattr(module, "in_features") and hasattr(module, "out_features")}
+    return {name: module for name, module in linears.items()
+            if not (name.endswith(".base") and hasattr(linears.get(name[:-len(".base")]), "lora_a"))}
 
 
 def _known_targets(model: nn.Module, linears: dict[str, nn.Module]) -> set[str]:

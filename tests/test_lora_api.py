@@ -76,7 +76,8 @@ def _bad(root, family, kind: str) -> tuple[str, str]:
         return str(path), "DoRA"
     if kind == "unknown target":
         config_path.write_text(json.dumps({**config, "target_modules": ["q_proj", "nope_proj"]}))
-        return str(path), "target module 'nope_proj'"
+        # Known: HF's names and ours, never the LoRA wrappers' inner `base`.
+        return str(path), "target module 'nope_proj' is not a linear of LlamaForCausalLM \\(known: (?!.*'base').*'qkv_proj'"
     if kind == "rank":
         save_adapter(family.path, str(path), ["q_proj"], seed=3, r=16, lora_alpha=16)
         return str(path), "rank 16 exceeds max_lora_rank 8"

@@ -96,6 +96,19 @@ def test_prefix_cache_is_keyed_by_adapter(lora_families):
     assert cached[2] > 0 and cached[4] > 0, "the same adapter (or the base) was meant to hit its own cache"
 
 
+def test_n_choices_share_the_adapters_prompt_blocks(lora_families):
+    """A request's choices run under its adapter, forked from its prompt's KV (same namespace)."""
+    family = lora_families("llama")
+    engine = make_engine(family, num_kv_blocks=64)
+    params = SamplingParams(do_sample=False, max_new_tokens=NUM_NEW, n=2)
+    request_id = engine.add_request(family.prompts[-1], params, lora="b")
+    seqs = engine.sequences(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.output_token_ids for s in seqs] == [family.want["b"][-1]] * 2
+    assert seqs[1].num_cached_prompt_tokens > 0, "the second choice was meant to share the prompt's blocks"
+
+
 def test_compiled_runner_serves_adapters_without_recompiling(lora_families):
     """The CPU plan's compile (symbolic sizes): adapters are buffers and slots a step input, so
     switching adapters compiles nothing."""
