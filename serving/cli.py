@@ -21,6 +21,7 @@ from fastgen.engine import DEMO_MODEL_DIR
 from fastgen.serving.deploy import registry
 from fastgen.serving.http.chat.reasoning import REASONING_PARSERS
 from fastgen.serving.http.chat.tool_parsers import TOOL_CALL_PARSERS
+from fastgen.serving.lora import LoRAModule, parse_lora_module
 from fastgen.serving.limits import (API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST,
                                     ServingLimits, api_keys_from_env)
 
@@ -188,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="REST: split a reasoning model's <think>...</think> into reasoning_content, and start "
                              "structured outputs and tool constraints after it (deepseek_r1: the reply starts "
                              "thinking; qwen3: it thinks when it opens with <think>)")
+    parser.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) to load at start-up, each selected by requests whose "
+                             "model is NAME; also vLLM's JSON form '{\"name\": ..., \"path\": ...}'. Needs "
+                             "--enable-lora (and one replica); more load at run time with POST /v1/load_lora_adapter")
     parser.add_argument("--protect-metrics", action="store_true",
                         help="REST: /metrics needs the API key too (default: open, for Prometheus scrapers)")
     parser.add_argument("--grpc-workers", type=int, default=128, help="concurrent gRPC calls (threads)")
@@ -201,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_security_flags(parser)
     _add_engine_flags(parser)
     return parser
+
+
+def _lora_module(spec: str) -> LoRAModule:
+    """argparse's reader of one `--lora-modules` entry (its error names the flag)."""
+    try:
+        return parse_lora_module(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def default_deployment_name(model: str | None) -> str:
@@ -227,6 +240,13 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
         if path is not None and not os.path.isfile(path):
             parser.error(f"{flag}: no such file: {path}")
     limits = _limits(parser, args)
+    names = [module.name for module in args.lora_modules]
+    if len(set(names)) != len(names):
+        parser.error(f"--lora-modules: an adapter name is given twice ({', '.join(names)})")
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    if args.lora_modules and args.replica_num not in (None, 1):
+        parser.error("--lora-modules needs one replica (--replica-num 1): replicated deployments serve no adapters")
     try:
         registry.check_name(args.deployment_name)
         options = {f.name: getattr(args, f.name) for f in engine_fields() if getattr(args, f.name) is not None}

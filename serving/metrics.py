@@ -15,14 +15,16 @@ which routes by `vllm:num_requests_waiting`, `vllm:num_requests_running` and `vl
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
 logger = logging.getLogger("fastgen")
 
-EngineStats = Callable[[], Mapping[str, float]]
+EngineStats = Callable[[], Mapping[str, Any]]
 """Returns a snapshot like `Engine.stats()`; keys it lacks are simply not exported."""
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -100,6 +102,14 @@ class _EngineCollector:
                                          "Accepted tokens per draft position.", labels=["model_name", "position"])
             for position, count in enumerate(stats["spec_accepted_per_position"]):
                 family.add_metric([labels[0], str(position)], float(count))
+            yield family
+        if "lora_max_loras" in stats:
+            # vLLM's adapter gauge, which the Gateway API inference extension reads for adapter-affinity
+            # routing: the adapters in use are labels, the value is when they were read (as vLLM's).
+            family = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
+                                       labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            family.add_metric([",".join(stats["lora_running"]), ",".join(stats["lora_waiting"]),
+                               str(int(stats["lora_max_loras"]))], time.time())
             yield family
         if "num_steps" in stats and "step_seconds_total" in stats:
             yield SummaryMetricFamily("fastgen_engine_step_seconds", "Wall time of engine steps that ran the model.",

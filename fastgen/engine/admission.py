@@ -31,6 +31,9 @@ class PreparedRequest:
     """Token sequences of `params.bad_words` (each word alone and after a space)."""
     grammar: PreparedGrammar | None = None
     """The structured-output constraint, compiling in the grammar pool (None: unconstrained)."""
+    lora: str | None = None
+    """The LoRA adapter the request runs under (None: the base model); checked again when it is queued,
+    since an adapter may be unloaded in between."""
 
 
 class Admission:
@@ -69,8 +72,10 @@ class Admission:
             raise ValueError("prompt is empty (no tokens)")
         return ids
 
-    def prepare(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> PreparedRequest:
-        """Tokenize and validate a request without touching engine state (safe on any thread).
+    def prepare(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+                lora: str | None = None) -> PreparedRequest:
+        """Tokenize and validate a request without touching engine state (safe on any thread); `lora`
+        travels with it (the engine checks the name).
 
         Raises ValueError/TypeError naming the problem; a request that passes can no longer fail
         validation in `add_request`.
@@ -99,7 +104,7 @@ class Admission:
                 raise FieldValueError("structured_outputs: this engine has no grammar backend", "structured_outputs")
             # Parsed here (an invalid schema raises before anything is queued), compiled in the pool.
             grammar = self.structured_outputs.prepare(params.structured_outputs)
-        return PreparedRequest(ids, params, self._bad_words_ids(params.bad_words), grammar)
+        return PreparedRequest(ids, params, self._bad_words_ids(params.bad_words), grammar, lora)
 
     def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's tokens at the start of a text and after a space (vLLM's rule: the spaced

@@ -154,23 +154,26 @@ class Engine:
         """Token ids of a text prompt, or validated ids of a token-id prompt (see `Admission`)."""
         return self.admission.encode_prompt(prompt)
 
-    def prepare(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> PreparedRequest:
-        """Tokenize and validate a request without touching engine state (safe on any thread);
-        raises ValueError/TypeError naming the problem (see `Admission.prepare`)."""
-        return self.admission.prepare(prompt, params)
+    def prepare(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+                lora: str | None = None) -> PreparedRequest:
+        """Tokenize and validate a request, to run under the LoRA adapter named `lora` (None: the base
+        model), without changing engine state (safe on any thread); raises ValueError/TypeError naming
+        the problem (see `Admission.prepare`), `UnknownLoRAError` for an adapter not loaded."""
+        self.lora_id(lora)  # an unknown adapter fails before the prompt is tokenized
+        return self.admission.prepare(prompt, params, lora)
 
     def add_request(self, prompt: str | Seq[int] | PreparedRequest, params: SamplingParams | None = None,
                     request_id: str | None = None, lora: str | None = None) -> str:
         """Validate (unless `prompt` is already a `PreparedRequest`) and queue a request, run under the
-        LoRA adapter named `lora` (None: the base model); returns its id. Raises before changing any
-        state (`UnknownLoRAError` for an adapter not loaded)."""
-        lora_id = self.lora_id(lora)
+        LoRA adapter named `lora` (None: the base model; a `PreparedRequest` carries its own); returns
+        its id. Raises before changing any state (`UnknownLoRAError` for an adapter not loaded)."""
         if isinstance(prompt, PreparedRequest):
-            if params is not None:
-                raise TypeError("a PreparedRequest carries its own params: do not pass params as well")
+            if params is not None or lora is not None:
+                raise TypeError("a PreparedRequest carries its own params and lora: do not pass them as well")
             prepared = prompt
         else:
-            prepared = self.prepare(prompt, params)
+            prepared = self.prepare(prompt, params, lora)
+        lora_id = self.lora_id(prepared.lora)  # again: the adapter may have been unloaded since `prepare`
         ids, params = prepared.prompt_token_ids, prepared.params
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if not isinstance(request_id, str):
@@ -297,10 +300,11 @@ class Engine:
             output.fail(request_id, "compiling its structured-output grammar", error)
         return [self._delta(update) for update in self.scheduler.update(ScheduledBatch(), output)]
 
-    def stats(self) -> dict[str, float | list[int]]:
+    def stats(self) -> dict[str, float | list[int] | list[str]]:
         """A snapshot for metrics: requests, waiting/running sequences, KV blocks, prefix-cache hit rate,
         steps that ran the model and their total seconds; with speculative decoding its counters
-        (`SpecDecodeStats`: rows verified with drafts, draft and accepted tokens, accepted per position).
+        (`SpecDecodeStats`: rows verified with drafts, draft and accepted tokens, accepted per position);
+        with LoRA the adapters of the running and the waiting sequences (names) and `max_loras`.
 
         Safe to call from another thread while the engine steps (it only reads counters); the numbers
         may then be a step apart from each other.
@@ -312,7 +316,7 @@ class Engine:
             "spec_num_accepted_tokens": self.speculator.stats.num_accepted_tokens,
             "spec_accepted_per_position": list(self.speculator.stats.accepted_per_position),
         }
-        return spec | {
+        return spec | self._lora_stats() | {
             "num_requests": len(self.requests),
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
@@ -322,6 +326,19 @@ class Engine:
             "num_steps": self._num_steps,
             "step_seconds_total": self._step_seconds,
         }
+
+    def _lora_stats(self) -> dict[str, float | list[str]]:
+        """The LoRA part of `stats` (empty without LoRA): adapter names in use by running and waiting sequences."""
+        if self.lora is None:
+            return {}
+        # Copies first: another thread reads this while the engine thread changes the collections.
+        names = {a.lora_id: a.name for a in list(self.lora.adapters.values())}
+
+        def used(seqs: Iterable[Sequence]) -> list[str]:
+            return sorted({names[s.lora_id] for s in seqs if s.lora_id in names})
+
+        return {"lora_running": used(list(self.scheduler.running)), "lora_waiting": used(list(self.scheduler.waiting)),
+                "lora_max_loras": self.lora.max_loras}
 
     def _delta(self, update: SequenceUpdate) -> Response:
         """The `Response` delta of one sequence's update (a failed request's: finish_reason "error")."""

@@ -93,15 +93,17 @@ class EngineLoop:
         """The engine's tokenizer (what `submit_group` needs for `return_full_text`)."""
         return self.engine.tokenizer
 
-    def submit(self, prompt: Any, params: SamplingParams | None, deliver: Sink) -> LoopRequest:
-        """Queue a request whose deltas go to `deliver` (a `RequestGroup` sink, called on the engine
-        thread); raises here (ValueError/TypeError) if the engine rejects it. To read one prompt's
+    def submit(self, prompt: Any, params: SamplingParams | None, deliver: Sink,
+               lora: str | None = None) -> LoopRequest:
+        """Queue a request, run under the LoRA adapter named `lora` (None: the base model), whose deltas
+        go to `deliver` (a `RequestGroup` sink, called on the engine thread); raises here
+        (ValueError/TypeError, `UnknownLoRAError`) if the engine rejects it. To read one prompt's
         deltas, `submit_group(loop, [prompt], params)` builds the group.
 
         The prompt is tokenized and validated on the calling thread; the engine thread only queues it.
         """
         self._check_running()
-        prepared = self.engine.prepare(prompt, params)
+        prepared = self.engine.prepare(prompt, params, lora)
         future = self._add(prepared, deliver)
         while True:
             try:
@@ -112,7 +114,8 @@ class EngineLoop:
                 if self._stopped.is_set() or (self._own_thread and not self._thread.is_alive()):
                     self._fail_pending()
 
-    async def submit_async(self, prompt: Any, params: SamplingParams | None, deliver: Sink) -> LoopRequest:
+    async def submit_async(self, prompt: Any, params: SamplingParams | None, deliver: Sink,
+                           lora: str | None = None) -> LoopRequest:
         """`submit` for asyncio code (`deliver` is an asynchronous `RequestGroup`'s sink).
 
         Tokenizing runs on the loop's tokenizer threads and acceptance is awaited, so the event loop
@@ -120,7 +123,7 @@ class EngineLoop:
         """
         self._check_running()
         aio_loop = asyncio.get_running_loop()
-        prepared = await aio_loop.run_in_executor(self._tokenizers, self.engine.prepare, prompt, params)
+        prepared = await aio_loop.run_in_executor(self._tokenizers, self.engine.prepare, prompt, params, lora)
         return await asyncio.wrap_future(self._add(prepared, deliver))
 
     @property
@@ -138,6 +141,15 @@ class EngineLoop:
         future: Future = Future()
         self._commands.put(("add", prepared, deliver, future))
         if self._stopped.is_set():  # the loop may have drained its queue for the last time already
+            self._fail_pending()
+        return future
+
+    def call(self, function: Callable[[Engine], Any]) -> Future:
+        """Run `function(engine)` on the loop thread between steps (what changes the engine from another
+        thread, e.g. loading a LoRA adapter); the future gets its result or exception."""
+        future: Future = Future()
+        self._commands.put(("call", function, future))
+        if self._stopped.is_set():
             self._fail_pending()
         return future
 
@@ -198,7 +210,7 @@ class EngineLoop:
                 command = self._commands.get(block=False)
             except queue.Empty:
                 return
-            if command[0] == "add":
+            if command[0] in ("add", "call"):
                 try:
                     command[-1].set_exception(error)
                 except InvalidStateError:  # answered meanwhile by the other thread draining the queue
@@ -217,6 +229,14 @@ class EngineLoop:
                 return
             self._deliveries.open(request_id, deliver, prepared.params.n)
             future.set_result(LoopRequest(self, request_id))
+        elif kind == "call":
+            _, function, future = command
+            if future.done():  # answered by `_fail_pending` on another thread
+                return
+            try:
+                future.set_result(function(self.engine))
+            except Exception as exc:
+                future.set_exception(exc)
         elif kind == "abort":
             request_id = command[1]
             for delta in self.engine.abort(request_id):

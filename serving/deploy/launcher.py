@@ -66,6 +66,11 @@ def _rest_module() -> Any:
         raise SystemExit(f"--enable-restful-api needs {exc.name!r}: pip install 'fastgen[serving]'") from None
 
 
+def _model_name(args: argparse.Namespace) -> str:
+    """The name OpenAI clients send as `model` for the base model."""
+    return args.model or os.path.basename(DEMO_MODEL_DIR)
+
+
 def _rest_app(rest: Any, args: argparse.Namespace, backend: Backend, stop: threading.Event,
               server: GrpcServer) -> Any:
     """The gateway's app over the same backend, limits and admission budget as the gRPC `server`
@@ -77,7 +82,7 @@ def _rest_app(rest: Any, args: argparse.Namespace, backend: Backend, stop: threa
 
         metrics = ServingMetrics(backend.engine.stats)
     return rest.create_app(backend, deployment_name=args.deployment_name, tokenizer=backend.tokenizer,
-                           model_name=args.model or os.path.basename(DEMO_MODEL_DIR), limits=server.limits,
+                           model_name=_model_name(args), limits=server.limits,
                            max_model_len=backend.model_info().max_length, metrics=metrics, on_terminate=stop.set,
                            strict_params=args.strict_params, protect_metrics=args.protect_metrics,
                            budget=server.budget, tool_call_parser=args.tool_call_parser,
@@ -118,11 +123,30 @@ def _planned_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
     return plan.replica_num
 
 
+def _load_lora_modules(engine: Engine, args: argparse.Namespace) -> None:
+    """Load `--lora-modules` into `engine`; SystemExit naming the entry (the engine shut down) for a bad one."""
+    for module in args.lora_modules:
+        if module.name == _model_name(args):
+            problem = "it is the base model's name, which selects no adapter"
+        else:
+            try:
+                engine.load_lora(module.name, module.path)
+                continue
+            except ValueError as exc:
+                problem = str(exc)
+        engine.shutdown()
+        raise SystemExit(f"--lora-modules {module.name}={module.path}: {problem}")
+    if args.lora_modules:
+        logger.info("LoRA adapters: %s", ", ".join(f"{m.name} ({m.path})" for m in args.lora_modules))
+
+
 def _load_backend(args: argparse.Namespace, config: EngineConfig, server: GrpcServer,
                   stop: threading.Event, limits: ServingLimits) -> Backend:
     if args.replica_num == 1:
         # Stepped by `main`'s own thread (see `EngineLoop.run`).
-        loop = EngineLoop(Engine.from_config(config), thread=False)
+        engine = Engine.from_config(config)
+        _load_lora_modules(engine, args)
+        loop = EngineLoop(engine, thread=False)
         return LocalBackend(loop, args.deployment_name)
     options = {f.name: getattr(config, f.name) for f in engine_fields()}
     devices: list[str | None] = [config.device] * args.replica_num

@@ -168,9 +168,14 @@ class ReplicaRouter:
             if request_id is not None:
                 self._streams.pop(request_id, None)
 
-    def submit(self, prompt: Any, params: SamplingParams | None, deliver: Sink) -> RemoteStream:
+    def submit(self, prompt: Any, params: SamplingParams | None, deliver: Sink,
+               lora: str | None = None) -> RemoteStream:
         """Send a request to the least-loaded healthy replica, whose deltas a thread reads into
-        `deliver` (a `RequestGroup` sink); raises its ValueError/TypeError if rejected."""
+        `deliver` (a `RequestGroup` sink); raises its ValueError/TypeError if rejected (and for any
+        `lora`: replicas serve no LoRA adapters)."""
+        if lora is not None:
+            raise ValueError(f"LoRA adapter {lora!r} requested but replicated deployments serve none "
+                             "(serve adapters with --replica-num 1)")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -208,12 +213,13 @@ class ReplicaRouter:
             self._deliveries.close(stream.request_id, exc)
         self._deliveries.close(stream.request_id)
 
-    async def submit_async(self, prompt: Any, params: SamplingParams | None, deliver: Sink) -> RemoteStream:
+    async def submit_async(self, prompt: Any, params: SamplingParams | None, deliver: Sink,
+                           lora: str | None = None) -> RemoteStream:
         """`submit` for asyncio code, delivering to `deliver` (an asynchronous `RequestGroup`'s sink).
 
         The replica's gRPC round trip runs on a worker thread, so the event loop never waits on it.
         """
-        return await asyncio.to_thread(self.submit, prompt, params, deliver)
+        return await asyncio.to_thread(self.submit, prompt, params, deliver, lora)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request by id; unknown or finished ids are ignored."""

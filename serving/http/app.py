@@ -27,8 +27,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastgen.serving.admission import PendingBudget
 from fastgen.serving.http.gateway import Gateway
 from fastgen.serving.http.guard import ApiError, HttpGuard, Offload, public_routes
+from fastgen.serving.http.lora_routes import add_lora_routes
 from fastgen.serving.http.mii_routes import add_mii_routes
 from fastgen.serving.limits import ServingLimits
+from fastgen.serving.lora import ServedAdapters
 from fastgen.serving.metrics import ServingMetrics
 from fastgen.serving.http.chat.reasoning import REASONING_PARSERS
 from fastgen.serving.http.chat.tool_parsers import TOOL_CALL_PARSERS
@@ -174,7 +176,10 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
         router.add_api_route(path, endpoint, methods=["GET"])
         router.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
     models = RequestModels.build(model_name, limits, gateway.max_prompt_chars, strict_params)
-    add_openai_routes(router, gateway, model_name, max_model_len, models, tool_call_parser, reasoning_parser)
+    adapters = ServedAdapters(backend)
+    add_openai_routes(router, gateway, model_name, max_model_len, models, tool_call_parser, reasoning_parser,
+                      adapters)
+    add_lora_routes(router, adapters, offload, model_name)
     add_utility_routes(router, gateway, model_name, max_model_len, models)
     add_mii_routes(router, gateway, deployment_name, models, on_terminate)
 

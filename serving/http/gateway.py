@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import Request
 
 from fastgen.engine import Member, RequestFailed, RequestGroup, Sink, full_text_prefix, max_prompt_chars, merge_deltas
+from fastgen.engine.lora_manager import UnknownLoRAError
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.admission import Draining, Overloaded, PendingBudget, shared_budget
@@ -132,7 +133,9 @@ def generation_error(exc: BaseException) -> ApiError:
 def _refusal(exc: BaseException, prompt_param: str) -> BaseException:
     """The HTTP error for a request refused at submission: 400 for the caller's mistake (naming the
     error's field, else the prompt), 500 for an engine failure of it, 503 for a stopped engine;
-    anything else (an ApiError already, a cancellation) as it is."""
+    anything else (an ApiError already, a cancellation) as it is; 404 for a LoRA adapter not loaded."""
+    if isinstance(exc, UnknownLoRAError):  # unloaded between parsing and queueing: as an unknown model
+        return ApiError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, (ValueError, TypeError)):
         return ApiError(400, str(exc), param=getattr(exc, "field", None) or prompt_param)
     if isinstance(exc, RequestFailed):
@@ -163,7 +166,7 @@ class Gateway:
 
     async def start(self, prompts: list[Prompt], params: SamplingParams, prompt_param: str,
                     max_tokens_param: str | None = None, *, keep_ids: bool = False,
-                    add_special_tokens: bool = True) -> Generation:
+                    add_special_tokens: bool = True, lora: str | None = None) -> Generation:
         """Admit, prepare and submit one engine request per prompt.
 
         400 for a request that breaks a bound or that the engine rejects (naming `prompt_param`,
@@ -171,7 +174,8 @@ class Gateway:
         together), 429 when the server is full, 503 when the engine is stopped. `keep_ids`
         tokenizes every prompt here and keeps the ids the engine gets in
         `Generation.prompt_token_ids` (for echoing the prompt's tokens); `add_special_tokens=False`
-        tokenizes text prompts without the tokenizer's BOS.
+        tokenizes text prompts without the tokenizer's BOS. `lora` names the LoRA adapter every prompt
+        runs under (None: the base model; one unloaded meanwhile is a 404).
         """
         num_sequences = len(prompts) * params.n
         release = self._admit(len(prompts), params.n, prompt_param)
@@ -185,7 +189,7 @@ class Gateway:
             prepared = await self._prepare(prompt, params, where, prompt_param, max_tokens_param,
                                            keep_ids or not add_special_tokens, add_special_tokens)
             kept.append(None if isinstance(prepared, str) else prepared[-truncate:] if truncate else prepared)
-            return await self.backend.submit_async(prepared, params, sink)
+            return await self.backend.submit_async(prepared, params, sink, lora=lora)
 
         try:
             await group.submit_each_async(prompts, submit, prompt_param)

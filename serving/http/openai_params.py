@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,8 @@ class Parsed:
     """Chat: how the request's tools are used (None without tools)."""
     reasoning: ReasoningFormat | None = None
     """Chat: the server's `--reasoning-parser` format, which splits `reasoning_content` off."""
+    lora: str | None = None
+    """The LoRA adapter the request's `model` names (None: the base model)."""
 
     def response_id(self, prefix: str, random_id: str) -> str:
         """The response's `id`: `<prefix>-<request_id>`, or `<prefix>-<random_id>` without one."""
@@ -118,9 +120,10 @@ def _ignored(request: BaseModel) -> list[str]:
     return ignored + [f"stream_options.{name}" for name in sorted((options.model_extra or ()) if options else ())]
 
 
-def _parse_common(request: BaseModel, model_name: str) -> tuple[dict, Parsed]:
-    """The sampling kwargs and the stream/usage/id options both routes share (prompts and params still unset)."""
-    if request.model != model_name:
+def _parse_common(request: BaseModel, model_name: str, adapters: Container[str]) -> tuple[dict, Parsed]:
+    """The sampling kwargs and the stream/usage/id options both routes share (prompts and params still
+    unset); `model` is the base `model_name` or one of the LoRA `adapters`."""
+    if request.model != model_name and request.model not in adapters:
         raise model_not_found(request.model)
     kwargs: dict[str, Any] = {name: getattr(request, name) for name in OPENAI_SAMPLING_FIELDS
                               if getattr(request, name) is not None}
@@ -155,7 +158,8 @@ def _parse_common(request: BaseModel, model_name: str) -> tuple[dict, Parsed]:
     parsed = Parsed([], SamplingParams(), stream, include_usage, None, None, continuous_usage=continuous,
                     prompt_logprobs=prompt_logprobs, request_id=request.request_id,
                     token_ids_as_text=bool(request.return_tokens_as_token_ids),
-                    add_special_tokens=request.add_special_tokens is not False, ignored=tuple(_ignored(request)))
+                    add_special_tokens=request.add_special_tokens is not False, ignored=tuple(_ignored(request)),
+                    lora=None if request.model == model_name else request.model)
     return kwargs, parsed
 
 
@@ -168,10 +172,12 @@ def _set_max_tokens(kwargs: dict, max_tokens: int | None, param: str = "max_toke
                        param="min_tokens")
 
 
-def parse_completion(body: dict[str, Any], models: RequestModels, model_name: str) -> Parsed:
-    """Validate a `/v1/completions` body (as `models.completion`, which refuses unknown fields when strict)."""
+def parse_completion(body: dict[str, Any], models: RequestModels, model_name: str,
+                     adapters: Container[str] = ()) -> Parsed:
+    """Validate a `/v1/completions` body (as `models.completion`, which refuses unknown fields when strict)
+    for the base `model_name` or one of the LoRA `adapters`."""
     request = validate(models.completion, body)
-    kwargs, parsed = _parse_common(request, model_name)
+    kwargs, parsed = _parse_common(request, model_name, adapters)
     if request.prompt is None:
         raise ApiError(400, "prompt is required", param="prompt")
     parsed.prompts = prompts_param(request.prompt, "prompt")
@@ -201,11 +207,12 @@ def parse_completion(body: dict[str, Any], models: RequestModels, model_name: st
 
 
 def parse_chat(body: dict[str, Any], models: RequestModels, model_name: str, tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None) -> Parsed:
-    """Validate a `/v1/chat/completions` body (its prompt is rendered later, off the event loop);
-    `tool_call_parser` and `reasoning_parser` are the server's formats (`--tool-call-parser`, ...)."""
+               reasoning_parser: str | None = None, adapters: Container[str] = ()) -> Parsed:
+    """Validate a `/v1/chat/completions` body (its prompt is rendered later, off the event loop) for the
+    base `model_name` or one of the LoRA `adapters`; `tool_call_parser` and `reasoning_parser` are the
+    server's formats (`--tool-call-parser`, ...)."""
     request = validate(models.chat, body)
-    kwargs, parsed = _parse_common(request, model_name)
+    kwargs, parsed = _parse_common(request, model_name, adapters)
     plan = tool_plan(request, tool_call_parser)
     if plan is not None and plan.constraint is not None:
         if "structured_outputs" in kwargs:

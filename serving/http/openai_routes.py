@@ -33,7 +33,9 @@ from fastgen.serving.http.gateway import generation_error
 from fastgen.serving.http.guard import ApiError, read_json_object
 from fastgen.serving.http.logprobs import chat_logprobs, completion_logprobs, echo_entries, vllm_prompt_logprobs
 from fastgen.serving.http.openai_params import Parsed, ignored_notice, model_not_found, parse_chat, parse_completion
+from fastgen.serving.http.lora_routes import adapter_cards
 from fastgen.serving.http.request_models import RequestModels
+from fastgen.serving.lora import ServedAdapters
 
 if TYPE_CHECKING:
     from fastgen.serving.http.gateway import Gateway, Generation
@@ -140,10 +142,12 @@ def _tools_refusal(exc: ApiError, req: Parsed) -> ApiError:
 
 def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_model_len: int | None,
                       models: RequestModels, tool_call_parser: str | None = None,
-                      reasoning_parser: str | None = None) -> None:
+                      reasoning_parser: str | None = None, adapters: ServedAdapters | None = None) -> None:
     """Add `/v1/models`, `/v1/completions` and `/v1/chat/completions` to `router`, their bodies
     validated as `models` (which refuse unknown fields when the app is strict); chat replies are
-    parsed with the server's `tool_call_parser` and `reasoning_parser` formats (None: not parsed)."""
+    parsed with the server's `tool_call_parser` and `reasoning_parser` formats (None: not parsed).
+    A request's `model` is `model_name` or one of the LoRA `adapters`, which `/v1/models` lists too."""
+    adapters = adapters if adapters is not None else ServedAdapters(None)
     tokenizer, offload = gateway.tokenizer, gateway.offload
     card: dict[str, Any] = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "fastgen"}
     if max_model_len is not None:
@@ -151,22 +155,25 @@ def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_
 
     @router.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [card, *adapter_cards(adapters, model_name)]})
 
     @router.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> JSONResponse:
-        if model_id != model_name:
-            raise model_not_found(model_id)
-        return JSONResponse(card)
+        if model_id == model_name:
+            return JSONResponse(card)
+        for adapter in adapter_cards(adapters, model_name):
+            if adapter["id"] == model_id:
+                return JSONResponse(adapter)
+        raise model_not_found(model_id)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        req = await read_json_object(request, offload, lambda body: parse_completion(body, models, model_name))
+        req = await read_json_object(request, offload, lambda body: parse_completion(body, models, model_name, adapters))
         headers = ignored_notice(request.method, request.url.path, req.ignored)
         head = {"id": req.response_id("cmpl", uuid.uuid4().hex), "object": "text_completion",
-                "created": int(time.time()), "model": model_name}
+                "created": int(time.time()), "model": req.lora or model_name}
         generation = await gateway.start(req.prompts, req.params, "prompt", req.max_tokens_param, keep_ids=req.echo,
-                                         add_special_tokens=req.add_special_tokens)
+                                         add_special_tokens=req.add_special_tokens, lora=req.lora)
         try:
             echoes = (await offload.run(_echo_texts, tokenizer, req.prompts, generation.prompt_token_ids,
                                         req.params.truncate_prompt_tokens) if req.echo else None)
@@ -191,12 +198,13 @@ def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         req = await read_json_object(request, offload, lambda body: parse_chat(
-            body, models, model_name, tool_call_parser, reasoning_parser))
+            body, models, model_name, tool_call_parser, reasoning_parser, adapters))
         headers = ignored_notice(request.method, request.url.path, req.ignored)
-        head = {"id": req.response_id("chatcmpl", uuid.uuid4().hex), "created": int(time.time()), "model": model_name}
+        head = {"id": req.response_id("chatcmpl", uuid.uuid4().hex), "created": int(time.time()),
+                "model": req.lora or model_name}
         thinking = await _thinking(gateway, req) if req.reasoning is not None else None
         try:
-            generation = await gateway.start(req.prompts, req.params, "messages", req.max_tokens_param)
+            generation = await gateway.start(req.prompts, req.params, "messages", req.max_tokens_param, lora=req.lora)
         except ApiError as exc:
             raise _tools_refusal(exc, req) from None
 

@@ -1,0 +1,176 @@
+"""LoRA adapters over REST, with the official `openai` client (unmodified) against the real server over
+a tiny llama checkpoint: `model=<adapter>` generates peft's greedy tokens and the base name the base
+model's (completions and chat, streamed and not), `/v1/models` lists adapters with their `parent`,
+vLLM's load/unload routes work at run time behind the API key (a bad adapter is a 400 and serving
+goes on, an unknown one a 404, one in use a 409), `vllm:lora_requests_info` is on `/metrics`, and
+`--lora-modules` is read and checked by the launcher's command line."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+from kit_lora import ENGINE, NUM_NEW, build_family
+from rest_server import serve
+
+from fastgen.serving.cli import build_parser, validate
+from fastgen.serving.lora import LoRAModule, parse_lora_module
+
+MODEL = "tiny-base"
+KEY = "sekret"
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    return build_family(tmp_path_factory.mktemp("lora_serving"), "llama")
+
+
+@pytest.fixture(scope="module")
+def served(family):
+    with serve(family.path, MODEL, ENGINE, api_key=KEY) as server:
+        server.engine.load_lora("a", family.adapters["a"])  # the loop is idle: as --lora-modules does before serving
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def _post(served, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(served.url + path, json=body, headers=headers, timeout=60)
+
+
+def _tokens(client, model: str, prompt: list[int], stream: bool = False) -> list[int]:
+    """Greedy token ids of `prompt` under `model` (`token_id:N` logprob tokens, EOS ignored)."""
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=NUM_NEW, temperature=0, logprobs=0,
+                                    stream=stream, extra_body=extra)
+    chunks = list(out) if stream else [out]
+    return [int(t.removeprefix("token_id:")) for c in chunks for t in c.choices[0].logprobs.tokens]
+
+
+def test_model_selects_adapter(family, served, client):
+    for prompt, want_a, want_base in zip(family.prompts[:3], family.want["a"], family.want[None]):
+        assert _tokens(client, "a", prompt) == want_a
+        assert _tokens(client, "a", prompt, stream=True) == want_a
+        assert _tokens(client, MODEL, prompt) == want_base
+    reply = client.completions.create(model="a", prompt=family.prompts[0], max_tokens=2)
+    assert reply.model == "a"
+    served.wait_idle()
+
+
+def test_chat_under_adapter_equals_completion_of_its_prompt(served, client):
+    messages = [{"role": "user", "content": "hi"}]
+    kwargs = dict(messages=messages, max_tokens=NUM_NEW, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(model="a", **kwargs)
+    streamed = client.chat.completions.create(model="a", stream=True, **kwargs)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    base = client.chat.completions.create(model=MODEL, **kwargs)
+    assert plain.model == "a" and plain.choices[0].message.content == text
+    assert base.choices[0].message.content != text  # the adapter (random, non-zero B) changes the reply
+    served.wait_idle()
+
+
+def test_models_lists_adapters_with_parent(family, client):
+    cards = {m.id: m for m in client.models.list().data}
+    assert cards["a"].parent == MODEL and cards["a"].root == family.adapters["a"]
+    assert client.models.retrieve("a").parent == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_load_and_unload_at_run_time(family, served, client):
+    assert _post(served, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": family.adapters["b"]},
+                 key=None).status_code == 401
+    loaded = _post(served, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": family.adapters["b"]})
+    assert loaded.status_code == 200, loaded.text
+    assert _tokens(client, "b", family.prompts[1]) == family.want["b"][1]
+    again = _post(served, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": family.adapters["b"]})
+    assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    assert _post(served, "/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="b", prompt="x", max_tokens=2)
+    missing = _post(served, "/v1/unload_lora_adapter", {"lora_name": "b"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "lora_name"
+    assert "b" not in {m.id for m in client.models.list().data}
+
+
+def test_bad_adapter_is_400_and_serving_goes_on(family, served, client, tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{not json")
+    for body, field in (({"lora_name": "bad", "lora_path": str(tmp_path)}, "lora_path"),
+                        ({"lora_name": "bad", "lora_path": str(tmp_path / "none")}, "lora_path"),
+                        ({"lora_name": MODEL, "lora_path": family.adapters["b"]}, "lora_name"),
+                        ({"lora_path": family.adapters["b"]}, "lora_name")):
+        refused = _post(served, "/v1/load_lora_adapter", body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+    assert "bad" not in served.engine.lora_adapters()
+    assert _tokens(client, "a", family.prompts[0]) == family.want["a"][0]
+
+
+def test_unloading_an_adapter_in_use_is_409(family, served, client):
+    assert _post(served, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": family.adapters["b"]}).status_code == 200
+    # As long as the KV cache allows, so the request still runs when the unload comes.
+    longest = served.engine.max_model_len - len(family.prompts[0]) - 1
+    stream = client.completions.create(model="c", prompt=family.prompts[0], max_tokens=longest, stream=True,
+                                       extra_body={"ignore_eos": True})
+    first = next(iter(stream))  # the request runs under "c" now
+    assert first.model == "c"
+    busy = _post(served, "/v1/unload_lora_adapter", {"lora_name": "c"})
+    assert busy.status_code == 409 and "in use" in busy.json()["error"]["message"]
+    stream.close()
+    served.wait_idle()
+    assert _post(served, "/v1/unload_lora_adapter", {"lora_name": "c"}).status_code == 200
+
+
+def test_metrics_gauge(family, served, client):
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.is_set():
+            text = httpx.get(served.url + "/metrics", timeout=10).text
+            seen.extend(line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{"))
+
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        client.completions.create(model="a", prompt=family.prompts[0], max_tokens=served.engine.max_model_len - 2,
+                                  extra_body={"ignore_eos": True})
+    finally:
+        stop.set()
+        scraper.join()
+    assert any('running_lora_adapters="a"' in line for line in seen), seen[:3]
+    assert all('max_lora="2"' in line for line in seen)
+    idle = [line for line in httpx.get(served.url + "/metrics").text.splitlines()
+            if line.startswith("vllm:lora_requests_info{")]
+    assert idle and 'running_lora_adapters=""' in idle[0] and 'waiting_lora_adapters=""' in idle[0]
+
+
+def test_lora_modules_flag(tmp_path):
+    assert parse_lora_module("a=/x/y") == LoRAModule("a", "/x/y")
+    assert parse_lora_module('{"name": "a", "path": "/x", "base_model_name": "m"}') == LoRAModule("a", "/x")
+    for bad in ("a", "=/x", "a=", '{"name": "a"}', '{"name": "a", "path": "/x", "rank": 2}', "{bad"):
+        with pytest.raises(ValueError):
+            parse_lora_module(bad)
+    parser = build_parser()
+    args = parser.parse_args(["--deployment-name", "d", "--enable-lora", "--lora-modules", "a=/p",
+                              '{"name": "b", "path": "/q"}'])
+    assert args.lora_modules == [LoRAModule("a", "/p"), LoRAModule("b", "/q")]
+    config, _ = validate(parser, args)
+    assert config.enable_lora
+    for argv in (["--lora-modules", "a=/p"], ["--enable-lora", "--lora-modules", "a=/p", "a=/q"],
+                 ["--enable-lora", "--replica-num", "2", "--lora-modules", "a=/p"]):
+        with pytest.raises(SystemExit):
+            validate(parser, parser.parse_args(["--deployment-name", "d", *argv]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--enable-lora", "--lora-modules", "nopath"])
