@@ -2,20 +2,26 @@
 a tiny llama checkpoint: `model=<adapter>` generates peft's greedy tokens and the base name the base
 model's (completions and chat, streamed and not), `/v1/models` lists adapters with their `parent`,
 vLLM's load/unload routes work at run time behind the API key (a bad adapter is a 400 and serving
-goes on, an unknown one a 404, one in use a 409), `vllm:lora_requests_info` is on `/metrics`, and
-`--lora-modules` is read and checked by the launcher's command line."""
+goes on, an unknown one a 404, one in use a 409), `vllm:lora_requests_info` is on `/metrics`,
+`--lora-modules` is read and checked by the launcher's command line, and gRPC's `GenerateRequest.lora`
+selects an adapter (NOT_FOUND for one not loaded)."""
 
 from __future__ import annotations
 
 import threading
 
+import grpc
 import httpx
 import openai
 import pytest
 from kit_lora import ENGINE, NUM_NEW, build_family
 from rest_server import serve
 
+from fastgen.serving.backend import LocalBackend
 from fastgen.serving.cli import build_parser, validate
+from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
+from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
+from fastgen.serving.grpc.server import GrpcServer
 from fastgen.serving.lora import LoRAModule, parse_lora_module
 
 MODEL = "tiny-base"
@@ -174,3 +180,22 @@ def test_lora_modules_flag(tmp_path):
             validate(parser, parser.parse_args(["--deployment-name", "d", *argv]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--enable-lora", "--lora-modules", "nopath"])
+
+
+def test_grpc_lora_field(family, served):
+    backend = LocalBackend(served.app.state.gateway.backend, "tiny")  # the REST server's engine loop
+    server = GrpcServer("127.0.0.1", 0, deployment_name="tiny", backend=backend)
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.FastGenStub(channel)
+            params = pb.SamplingParams(max_new_tokens=NUM_NEW, do_sample=False, ignore_eos=True)
+            prompt = pb.Prompt(token_ids=pb.TokenIds(ids=family.prompts[2]))
+            for lora, want in (("a", family.want["a"][2]), ("", family.want[None][2])):
+                reply = stub.Generate(pb.GenerateRequest(prompts=[prompt], params=params, lora=lora))
+                assert list(reply.completions[0].token_ids) == want
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Generate(pb.GenerateRequest(prompts=[prompt], params=params, lora="nope"))
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in info.value.details()
+    finally:
+        server.stop(grace=0)

@@ -259,7 +259,7 @@ class _FakeBackend:
     def __init__(self, tokenizer, error=None, refuse=None):
         self.tokenizer, self.error, self.refuse = tokenizer, error, refuse
 
-    async def submit_async(self, prompt, params, deliver):
+    async def submit_async(self, prompt, params, deliver, lora=None):
         if self.refuse is not None:
             raise self.refuse
         for item in (Response("a", 3, 1, "none", [7]), self.error, END):

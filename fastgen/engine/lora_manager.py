@@ -22,11 +22,16 @@ import torch
 from torch import nn
 
 from fastgen.models.lora import LoRAAdapter, load_lora_adapter
+from fastgen.sampling_params import FieldValueError
 from fastgen.models.lora_layers import LoRALayers
 
 
-class UnknownLoRAError(ValueError):
-    """A request or call names an adapter this engine has not loaded (a 404 when served)."""
+class UnknownLoRAError(FieldValueError):
+    """A request or call names an adapter this engine has not loaded (a 404 when served). Its field is
+    `lora`, so a server's prompt-error wrapping keeps it as it is, not as an error of the prompt."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "lora")
 
 
 @dataclass(frozen=True, slots=True)

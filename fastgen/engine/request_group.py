@@ -51,8 +51,9 @@ class Submitter(Protocol):
 
     tokenizer: Any
 
-    def submit(self, prompt: Any, params: SamplingParams | None, deliver: Sink) -> Member:
-        """Queue the request (raising ValueError/TypeError if it is refused) and return it."""
+    def submit(self, prompt: Any, params: SamplingParams | None, deliver: Sink, lora: str | None = None) -> Member:
+        """Queue the request, run under the LoRA adapter `lora` (None: the base model), raising
+        ValueError/TypeError if it is refused, and return it."""
 
 
 def merge_deltas(deltas: Iterable[Response]) -> list[Response]:
@@ -256,11 +257,12 @@ class RequestGroup:
 
 
 def submit_group(submitter: Submitter, prompts: Sequence[Prompt], params: SamplingParams,
-                 field: str = "prompts") -> RequestGroup:
+                 field: str = "prompts", lora: str | None = None) -> RequestGroup:
     """Submit every prompt (each validated by the engine; a refused one aborts the others and raises
-    its error naming `field[i]`) as one group to read, with the `return_full_text` prefixes. Blocking."""
+    its error naming `field[i]`) as one group to read, with the `return_full_text` prefixes, under the
+    LoRA adapter `lora` (None: the base model). Blocking."""
     group = RequestGroup(params.n)
-    group.submit_each(prompts, lambda prompt, sink: submitter.submit(prompt, params, sink), field)
+    group.submit_each(prompts, lambda prompt, sink: submitter.submit(prompt, params, sink, lora=lora), field)
     if params.return_full_text:
         try:
             group.set_prefixes([full_text_prefix(submitter.tokenizer, p, params) for p in prompts])

@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from fastgen.api import normalise_prompts, split_mii_stream
 from fastgen.engine import RequestGroup, TensorParallelError, submit_group
+from fastgen.engine.lora_manager import UnknownLoRAError
 from fastgen.outputs import Response
 from fastgen.sampling_params import FieldTypeError, FieldValueError, SamplingParams
 from fastgen.serving.backend import Backend, BackendUnavailable
@@ -80,6 +81,8 @@ def _reject(server: "GrpcServer", context: grpc.ServicerContext, exc: BaseExcept
     Only here does a ValueError/TypeError mean the client's request was wrong; its kind (the
     builtin's name) and its field (a FieldError's) travel as trailers.
     """
+    if isinstance(exc, UnknownLoRAError):
+        context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
     if isinstance(exc, (ValueError, TypeError)):
         trailers = [(ERROR_TYPE_KEY, "TypeError" if isinstance(exc, TypeError) else "ValueError")]
         field = getattr(exc, "field", None)
@@ -114,7 +117,7 @@ class FastGenServicer(pb_grpc.FastGenServicer):
         """Every completion of every prompt, once all are finished."""
         try:
             group, done = self._server.admit(prompts_from_proto(request.prompts), params_from_proto(request.params),
-                                             context)
+                                             context, lora=request.lora or None)
         except Exception as exc:
             _reject(self._server, context, exc)
         try:
@@ -128,7 +131,7 @@ class FastGenServicer(pb_grpc.FastGenServicer):
         """Each completion's deltas as they are produced, interleaved across prompts and choices."""
         try:
             group, done = self._server.admit(prompts_from_proto(request.prompts), params_from_proto(request.params),
-                                             context)
+                                             context, lora=request.lora or None)
         except Exception as exc:
             _reject(self._server, context, exc)
         try:
@@ -344,16 +347,16 @@ class GrpcServer:
         return backend
 
     def admit(self, prompts: list, params: SamplingParams, context: grpc.ServicerContext,
-              field: str = "prompts") -> tuple[RequestGroup, Callable[[], None]]:
+              field: str = "prompts", lora: str | None = None) -> tuple[RequestGroup, Callable[[], None]]:
         """Check a call's request against the limits, take its sequences from the pending budget and
-        submit its prompts. Returns the group and its release, which the servicer calls when the
+        submit its prompts, under the LoRA adapter `lora` (None: the base model). Returns the group and its release, which the servicer calls when the
         group ends; the call's end (normal, failed or cancelled) also aborts what is left and
         releases, so a client that goes away gives its place back."""
         self.limits.check_request_size(len(prompts), params.n, field)
         backend = self.backend()
         release = self.budget.acquire(len(prompts) * params.n, "n" if params.n > 1 else field)
         try:
-            group = submit_group(backend, prompts, params, field)
+            group = submit_group(backend, prompts, params, field, lora)
         except BaseException:
             release()
             raise
