@@ -8,6 +8,7 @@ selects an adapter (NOT_FOUND for one not loaded)."""
 
 from __future__ import annotations
 
+import argparse
 import threading
 
 import grpc
@@ -17,7 +18,10 @@ import pytest
 from kit_lora import ENGINE, NUM_NEW, build_family
 from rest_server import serve
 
+from fastgen import EngineConfig
+from fastgen.engine import Engine
 from fastgen.serving.backend import LocalBackend
+from fastgen.serving.deploy.launcher import _load_lora_modules
 from fastgen.serving.cli import build_parser, validate
 from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
@@ -199,3 +203,15 @@ def test_grpc_lora_field(family, served):
             assert info.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in info.value.details()
     finally:
         server.stop(grace=0)
+
+
+def test_lora_modules_load_at_start_up(family, tmp_path):
+    good = argparse.Namespace(model=family.path, lora_modules=[LoRAModule("a", family.adapters["a"])])
+    engine = Engine.from_config(EngineConfig(model=family.path, **ENGINE))
+    _load_lora_modules(engine, good)
+    assert engine.lora_adapters() == {"a": family.adapters["a"]}
+    engine.shutdown()
+    for module, problem in ((LoRAModule("x", str(tmp_path / "none")), "x="), (LoRAModule(family.path, "/p"), "base")):
+        bad = argparse.Namespace(model=family.path, lora_modules=[module])
+        with pytest.raises(SystemExit, match=f"--lora-modules .*{problem}"):
+            _load_lora_modules(Engine.from_config(EngineConfig(model=family.path, **ENGINE)), bad)
