@@ -93,6 +93,12 @@ def test_models_lists_adapters_with_parent(family, client):
         client.models.retrieve("nope")
 
 
+def test_tokenize_takes_an_adapter_name(served):
+    assert _post(served, "/tokenize", {"model": "a", "prompt": "hi"}).json()["tokens"] == \
+        _post(served, "/tokenize", {"model": MODEL, "prompt": "hi"}).json()["tokens"]
+    assert _post(served, "/tokenize", {"model": "nope", "prompt": "hi"}).status_code == 404
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="nope", prompt="x", max_tokens=2)

@@ -180,7 +180,7 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
     add_openai_routes(router, gateway, model_name, max_model_len, models, tool_call_parser, reasoning_parser,
                       adapters)
     add_lora_routes(router, adapters, offload, model_name)
-    add_utility_routes(router, gateway, model_name, max_model_len, models)
+    add_utility_routes(router, gateway, model_name, max_model_len, models, adapters)
     add_mii_routes(router, gateway, deployment_name, models, on_terminate)
 
     @router.get("/metrics")

@@ -9,6 +9,7 @@ while the server is up, as vLLM's does for SageMaker-style probes.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -28,23 +29,24 @@ if TYPE_CHECKING:
 __all__ = ["add_utility_routes"]
 
 
-def _served(request: BaseModel, model_name: str) -> tuple[str, ...]:
-    """The request's unknown fields (kept aside by a lenient model); a `model` must be the served one."""
-    if request.model is not None and request.model != model_name:
+def _served(request: BaseModel, served: Callable[[str], bool]) -> tuple[str, ...]:
+    """The request's unknown fields (kept aside by a lenient model); a `model` must be one `served`
+    accepts (the base model or a LoRA adapter: both share the tokenizer)."""
+    if request.model is not None and not served(request.model):
         raise model_not_found(request.model)
     return tuple(sorted(request.model_extra or ()))
 
 
 def _parse_tokenize(body: dict[str, Any], models: RequestModels,
-                    model_name: str) -> tuple[str | ChatPrompt, bool, bool, tuple[str, ...]]:
+                    served: Callable[[str], bool]) -> tuple[str | ChatPrompt, bool, bool, tuple[str, ...]]:
     """(text or chat, add_special_tokens, return_token_strs, ignored fields) of a `/tokenize` body."""
     if "messages" in body:
         request = validate(models.tokenize_chat, body)
-        ignored = _served(request, model_name)
+        ignored = _served(request, served)
         chat = chat_prompt(request)
         return chat, chat.add_special_tokens, bool(request.return_token_strs), ignored
     request = validate(models.tokenize, body)
-    ignored = _served(request, model_name)
+    ignored = _served(request, served)
     return request.prompt, request.add_special_tokens is not False, bool(request.return_token_strs), ignored
 
 
@@ -64,10 +66,10 @@ def _vocab_size(tokenizer: Any) -> int | None:
         return len(get_vocab()) if callable(get_vocab) else None
 
 
-def _parse_detokenize(body: dict[str, Any], models: RequestModels, model_name: str,
+def _parse_detokenize(body: dict[str, Any], models: RequestModels, served: Callable[[str], bool],
                       vocab_size: int | None) -> tuple[list[int], tuple[str, ...]]:
     request = validate(models.detokenize, body)
-    ignored = _served(request, model_name)
+    ignored = _served(request, served)
     for i, token in enumerate(request.tokens):
         if vocab_size is not None and token >= vocab_size:
             raise ApiError(400, f"tokens[{i}] must be a token id in [0, {vocab_size}), got {token}", param="tokens")
@@ -75,15 +77,19 @@ def _parse_detokenize(body: dict[str, Any], models: RequestModels, model_name: s
 
 
 def add_utility_routes(router: APIRouter, gateway: Gateway, model_name: str, max_model_len: int | None,
-                       models: RequestModels) -> None:
-    """Add `/tokenize`, `/detokenize` (bodies validated as `models`), `/version` and `/ping` to `router`."""
+                       models: RequestModels, adapters: Container[str] = ()) -> None:
+    """Add `/tokenize`, `/detokenize` (bodies validated as `models`; their `model` is `model_name` or one
+    of the LoRA `adapters`), `/version` and `/ping` to `router`."""
     tokenizer, offload, max_chars = gateway.tokenizer, gateway.offload, gateway.max_prompt_chars
+
+    def served(model: str) -> bool:
+        return model == model_name or model in adapters
     vocab_size = _vocab_size(tokenizer)
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         source, special, with_strs, ignored = await read_json_object(
-            request, offload, lambda body: _parse_tokenize(body, models, model_name))
+            request, offload, lambda body: _parse_tokenize(body, models, served))
         headers = ignored_notice(request.method, request.url.path, ignored)
         ids, strs = await offload.run(_tokenize, tokenizer, source, special, with_strs, max_chars)
         return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs},
@@ -92,7 +98,7 @@ def add_utility_routes(router: APIRouter, gateway: Gateway, model_name: str, max
     @router.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
         tokens, ignored = await read_json_object(
-            request, offload, lambda body: _parse_detokenize(body, models, model_name, vocab_size))
+            request, offload, lambda body: _parse_detokenize(body, models, served, vocab_size))
         headers = ignored_notice(request.method, request.url.path, ignored)
         return JSONResponse({"prompt": await offload.run(tokenizer.decode, tokens)}, headers=headers)
 
