@@ -38,6 +38,7 @@ from fastgen.config import EngineConfig
 from fastgen.engine import DEMO_MODEL_DIR, Engine, EngineLoop
 from fastgen.serving.cli import build_parser, engine_fields
 from fastgen.serving.limits import ServingLimits, api_keys_from_env
+from fastgen.serving.lora import LoRAModule, parse_lora_module
 from fastgen.serving.metrics import ServingMetrics
 from fastgen.serving.http.app import create_app
 from fastgen.serving.http.chat.reasoning import REASONING_PARSERS
@@ -59,7 +60,7 @@ _SCALING_OPTIONS = ("num_replicas", "autoscaling_config", "max_ongoing_requests"
                     "health_check_period_s", "health_check_timeout_s", "drain_timeout")
 _SERVER_OPTIONS = ("model", "deployment_name", "served_model_name", "api_key", "max_pending_requests",
                    "max_prompts_per_request", "max_n", "max_body_bytes", "strict_params", "protect_metrics",
-                   "tool_call_parser", "reasoning_parser")
+                   "tool_call_parser", "reasoning_parser", "lora_modules")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,8 @@ class ServerOptions:
     """The format tool calls are parsed out of `tool_choice: auto` chat replies in (`--tool-call-parser`)."""
     reasoning_parser: str | None = None
     """The format of reasoning models' thinking, split off as `reasoning_content` (`--reasoning-parser`)."""
+    lora_modules: tuple[LoRAModule, ...] = ()
+    """LoRA adapters each replica loads at start-up (`--lora-modules`; needs `enable_lora`)."""
 
     @property
     def model_name(self) -> str:
@@ -101,6 +104,12 @@ class FastGenServer:
         _use_placement_group_devices(options.engine.get("tensor_parallel"))
         self.options = options
         self.engine = Engine.from_config(EngineConfig.from_kwargs(options.model, **options.engine))
+        for module in options.lora_modules:
+            try:
+                self.engine.load_lora(module.name, module.path)
+            except ValueError as exc:
+                self.engine.shutdown()
+                raise ValueError(f"lora_modules {module.name}={module.path}: {exc}") from None
         self.loop = EngineLoop(self.engine)
         self.gateway_app = create_app(self.loop, options.deployment_name, self.engine.tokenizer, options.model_name,
                               limits=options.limits, max_model_len=self.engine.max_model_len,
@@ -220,7 +229,8 @@ def build_app(args: dict[str, Any]) -> Any:
     Keys: every EngineConfig field (`model`, `dtype`, `num_kv_blocks`, `tensor_parallel`, ...);
     `deployment_name`, `served_model_name`, `api_key` (default `FASTGEN_API_KEY` in the replicas'
     environment), `max_pending_requests`, `max_prompts_per_request`, `max_n`, `max_body_bytes`,
-    `strict_params`, `protect_metrics`, `tool_call_parser`, `reasoning_parser`; and Ray's `num_replicas` (an int, or "auto") or
+    `strict_params`, `protect_metrics`, `tool_call_parser`, `reasoning_parser`, `lora_modules` (a list
+    of `name=path` entries, or one string of them space-separated); and Ray's `num_replicas` (an int, or "auto") or
     `autoscaling_config` (a dict or its JSON, e.g. `{"min_replicas": 1, "max_replicas": 4,
     "target_ongoing_requests": 16}`), `max_ongoing_requests` (default 64), `ray_actor_options` (a
     dict or its JSON; default per replica: one GPU when CUDA is the device, or when the device is unset
@@ -333,7 +343,30 @@ def _server_options(args: dict[str, Any], engine: dict[str, Any]) -> ServerOptio
             raise ValueError(f"{name} must be one of {', '.join(sorted(known))}, got {args[name]!r}")
     names = {k: args[k] for k in ("deployment_name", "served_model_name", "tool_call_parser", "reasoning_parser")
              if args.get(k) is not None}
-    return ServerOptions(engine=engine, model=args.get("model"), limits=limits, **names, **flags)
+    lora_modules = _lora_modules(args.get("lora_modules"), engine)
+    return ServerOptions(engine=engine, model=args.get("model"), limits=limits, lora_modules=lora_modules,
+                         **names, **flags)
+
+
+def _lora_modules(value: Any, engine: dict[str, Any]) -> tuple[LoRAModule, ...]:
+    """`lora_modules`: `--lora-modules`' entries as a list (`name=path` strings or `{"name", "path"}`
+    dicts) or one string of space-separated entries (from `serve run`); ValueError naming the field."""
+    if value is None:
+        return ()
+    entries = value.split() if isinstance(value, str) else value
+    if not isinstance(entries, (list, tuple)):
+        raise TypeError(f"lora_modules must be a list of name=path entries, got {type(value).__name__}")
+    modules = []
+    for entry in entries:
+        if not isinstance(entry, (str, dict)):
+            raise TypeError(f"lora_modules entries are name=path strings or dicts, got {type(entry).__name__}")
+        try:
+            modules.append(parse_lora_module(json.dumps(entry) if isinstance(entry, dict) else entry))
+        except ValueError as exc:
+            raise ValueError(f"lora_modules: {exc}") from None
+    if modules and not engine.get("enable_lora"):
+        raise ValueError("lora_modules needs enable_lora")
+    return tuple(modules)
 
 
 def default_actor_resources(device: str | None, cluster_has_gpus: Callable[[], bool]) -> dict[str, int]:

@@ -3,12 +3,13 @@ a tiny llama checkpoint: `model=<adapter>` generates peft's greedy tokens and th
 model's (completions and chat, streamed and not), `/v1/models` lists adapters with their `parent`,
 vLLM's load/unload routes work at run time behind the API key (a bad adapter is a 400 and serving
 goes on, an unknown one a 404, one in use a 409), `vllm:lora_requests_info` is on `/metrics`,
-`--lora-modules` is read and checked by the launcher's command line, and gRPC's `GenerateRequest.lora`
+`--lora-modules` is read and checked by the launcher's command line (and the Ray app's `lora_modules`), and gRPC's `GenerateRequest.lora`
 selects an adapter (NOT_FOUND for one not loaded)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import threading
 
 import grpc
@@ -27,6 +28,7 @@ from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
 from fastgen.serving.grpc.server import GrpcServer
 from fastgen.serving.lora import LoRAModule, parse_lora_module
+from fastgen.serving.ray_app import FastGenServer, _server_options
 
 MODEL = "tiny-base"
 KEY = "sekret"
@@ -221,3 +223,20 @@ def test_lora_modules_load_at_start_up(family, tmp_path):
         bad = argparse.Namespace(model=family.path, lora_modules=[module])
         with pytest.raises(SystemExit, match=f"--lora-modules .*{problem}"):
             _load_lora_modules(Engine.from_config(EngineConfig(model=family.path, **ENGINE)), bad)
+
+
+def test_ray_app_lora_modules(family):
+    options = _server_options({"model": family.path, "lora_modules": f"a={family.adapters['a']}"},
+                              {**ENGINE, "enable_lora": True})
+    assert options.lora_modules == (LoRAModule("a", family.adapters["a"]),)
+    server = FastGenServer(options)
+    try:
+        assert server.engine.lora_adapters() == {"a": family.adapters["a"]}
+    finally:
+        server.shutdown()
+    for value, engine in (("a=/p", {}), ([3], {"enable_lora": True}), ("nopath", {"enable_lora": True})):
+        with pytest.raises((TypeError, ValueError), match="lora_modules"):
+            _server_options({"lora_modules": value}, engine)
+    bad = dataclasses.replace(options, lora_modules=(LoRAModule("x", "/no/such/dir"),))
+    with pytest.raises(ValueError, match="lora_modules x=/no/such/dir"):
+        FastGenServer(bad)
