@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from fastgen.models.lora import LoRAAdapter, load_lora_adapter
-from fastgen.sampling_params import FieldValueError
 from fastgen.models.lora_layers import LoRALayers
+from fastgen.sampling_params import FieldValueError
 
 
 class UnknownLoRAError(FieldValueError):
