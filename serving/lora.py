@@ -62,11 +62,6 @@ class ServedAdapters:
         loop = backend if isinstance(backend, EngineLoop) else getattr(backend, "loop", None)
         self._loop = loop if loop is not None and getattr(loop.engine, "lora", None) is not None else None
 
-    @property
-    def enabled(self) -> bool:
-        """Whether adapters can be served (a local engine built with `enable_lora`)."""
-        return self._loop is not None
-
     def paths(self) -> dict[str, str]:
         """The loaded adapters: name -> directory."""
         # dict() copies under the GIL in one step, so a load on the loop thread cannot break it midway.

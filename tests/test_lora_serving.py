@@ -9,6 +9,7 @@ selects an adapter (NOT_FOUND for one not loaded)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import threading
 
@@ -27,7 +28,7 @@ from fastgen.serving.cli import build_parser, validate
 from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
 from fastgen.serving.grpc.server import GrpcServer
-from fastgen.serving.lora import LoRAModule, parse_lora_module
+from fastgen.serving.lora import LoRAModule, ServedAdapters, parse_lora_module
 from fastgen.serving.ray_app import FastGenServer, _server_options
 
 MODEL = "tiny-base"
@@ -172,6 +173,14 @@ def test_metrics_gauge(family, served, client):
     idle = [line for line in httpx.get(served.url + "/metrics").text.splitlines()
             if line.startswith("vllm:lora_requests_info{")]
     assert idle and 'running_lora_adapters=""' in idle[0] and 'waiting_lora_adapters=""' in idle[0]
+
+
+def test_a_server_without_lora_refuses_loads():
+    adapters = ServedAdapters(None)  # a replica router, or an engine built without enable_lora
+    assert adapters.paths() == {} and "a" not in adapters
+    for call in (adapters.load("a", "/p"), adapters.unload("a")):
+        with pytest.raises(ValueError, match="--enable-lora"):
+            asyncio.run(call)
 
 
 def test_lora_modules_flag(tmp_path):
