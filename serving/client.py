@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastgen.api import normalise_prompts, split_mii_stream
 from fastgen.engine import merge_deltas
+from fastgen.engine.lora_manager import UnknownLoRAError
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.deploy import registry
@@ -43,12 +44,17 @@ def _request(prompts: Any, gen: dict[str, Any]) -> tuple[pb.GenerateRequest, boo
     """Validate locally and build the request; also whether logprobs were asked for.
 
     MII's `stream` keyword is accepted: whether a call streams is the method's (`stream`, or
-    `generate` with a `streaming_fn`), so it changes nothing.
+    `generate` with a `streaming_fn`), so it changes nothing. `lora` names the LoRA adapter the
+    prompts run under (None: the base model).
     """
     gen, _ = split_mii_stream(gen)
+    lora = gen.get("lora")
+    gen = {k: v for k, v in gen.items() if k != "lora"}
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        raise TypeError(f"lora must be an adapter's name (a non-empty str) or None, got {lora!r}")
     params = SamplingParams.from_kwargs(**gen)
     request = pb.GenerateRequest(prompts=prompts_to_proto(normalise_prompts(prompts)),
-                                 params=params_to_proto(params, fields=gen))
+                                 params=params_to_proto(params, fields=gen), lora=lora or "")
     return request, params.logprobs is not None
 
 
@@ -63,6 +69,8 @@ def _error(exc: grpc.RpcError, address: str) -> Exception:
                                "(pass api_key= or set FASTGEN_API_KEY)")
     if code == grpc.StatusCode.UNAVAILABLE:
         return ConnectionError(f"fastgen deployment at {address} is unavailable: {details}")
+    if code == grpc.StatusCode.NOT_FOUND:  # what Generate answers for a LoRA adapter not loaded
+        return UnknownLoRAError(details)
     return RuntimeError(f"fastgen deployment at {address} failed the call ({code.name}): {details}")
 
 

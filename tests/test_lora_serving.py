@@ -4,7 +4,7 @@ model's (completions and chat, streamed and not), `/v1/models` lists adapters wi
 vLLM's load/unload routes work at run time behind the API key (a bad adapter is a 400 and serving
 goes on, an unknown one a 404, one in use a 409), `vllm:lora_requests_info` is on `/metrics`,
 `--lora-modules` is read and checked by the launcher's command line (and the Ray app's `lora_modules`), and gRPC's `GenerateRequest.lora`
-selects an adapter (NOT_FOUND for one not loaded)."""
+selects an adapter (NOT_FOUND for one not loaded), also through the Python gRPC client's `lora=`."""
 
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ from rest_server import serve
 
 from fastgen import EngineConfig
 from fastgen.engine import Engine
+from fastgen.engine.lora_manager import UnknownLoRAError
 from fastgen.serving.backend import LocalBackend
 from fastgen.serving.deploy.launcher import _load_lora_modules
 from fastgen.serving.cli import build_parser, validate
+from fastgen.serving.client import Client
 from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
 from fastgen.serving.grpc.server import GrpcServer
@@ -218,6 +220,14 @@ def test_grpc_lora_field(family, served):
             with pytest.raises(grpc.RpcError) as info:
                 stub.Generate(pb.GenerateRequest(prompts=[prompt], params=params, lora="nope"))
             assert info.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in info.value.details()
+        client = Client(server.address)
+        try:
+            assert client.generate([family.prompts[2]], lora="a", max_new_tokens=NUM_NEW, do_sample=False,
+                                   ignore_eos=True)[0].token_ids == family.want["a"][2]
+            with pytest.raises(UnknownLoRAError, match="nope"):
+                client.generate(["x"], lora="nope", max_new_tokens=2)
+        finally:
+            client.close()
     finally:
         server.stop(grace=0)
 
