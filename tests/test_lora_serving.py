@@ -11,7 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import grpc
 import httpx
@@ -34,6 +40,7 @@ from fastgen.serving.lora import LoRAModule, ServedAdapters, parse_lora_module
 from fastgen.serving.ray_app import FastGenServer, _server_options
 
 MODEL = "tiny-base"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "sekret"
 
 
@@ -259,3 +266,42 @@ def test_ray_app_lora_modules(family):
     bad = dataclasses.replace(options, lora_modules=(LoRAModule("x", "/no/such/dir"),))
     with pytest.raises(ValueError, match="lora_modules x=/no/such/dir"):
         FastGenServer(bad)
+
+
+def _serve_process(family, *modules: str) -> tuple[subprocess.Popen, int, list[str]]:
+    """`scripts/serve.py` over the family's checkpoint with `--lora-modules *modules`, started or exited."""
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        port, rest_port = a.getsockname()[1], b.getsockname()[1]
+    argv = [sys.executable, os.path.join(REPO, "scripts", "serve.py"), "--model", family.path, "--port", str(port),
+            "--enable-restful-api", "--restful-api-port", str(rest_port), "--deployment-name",
+            f"lora-{os.getpid()}-{port}", "--no-progress", "--num-kv-blocks", "24", "--block-size", "4",
+            "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--drain-timeout", "0",
+            "--lora-modules", *modules]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while f"listening on 127.0.0.1:{port}\n" not in lines and proc.poll() is None:
+        assert time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.1)
+    if proc.poll() is not None:
+        reader.join(10)
+    return proc, rest_port, lines
+
+
+def test_serve_py_lora_modules(family):
+    proc, rest_port, lines = _serve_process(family, f"a={family.adapters['a']}")
+    try:
+        assert proc.poll() is None, "".join(lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{rest_port}/v1", api_key="none", max_retries=0)
+        assert client.models.retrieve("a").parent == family.path  # --model names the base
+        assert _tokens(client, "a", family.prompts[1]) == family.want["a"][1]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, "".join(lines)
+    bad, _, lines = _serve_process(family, f"bad={family.path}")  # a checkpoint, not an adapter
+    assert bad.wait(60) != 0 and "--lora-modules bad=" in "".join(lines), "".join(lines)

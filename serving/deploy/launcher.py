@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     config, limits = validate(parser, args)
     if args.replica_num is None:
         args.replica_num = _planned_replicas(args, config)
+        if args.lora_modules and args.replica_num > 1:
+            parser.error(f"--lora-modules needs one replica, but the policy plans {args.replica_num}: "
+                         "add --replica-num 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     role = f"replica of pid {args.replica_of}" if args.replica_of is not None else "deployment"
     logger.info("fastgen %s %s %r: %s", fastgen.__version__, role, args.deployment_name, config)
