@@ -21,9 +21,9 @@ from fastgen.engine import DEMO_MODEL_DIR
 from fastgen.serving.deploy import registry
 from fastgen.serving.http.chat.reasoning import REASONING_PARSERS
 from fastgen.serving.http.chat.tool_parsers import TOOL_CALL_PARSERS
-from fastgen.serving.lora import LoRAModule, parse_lora_module
 from fastgen.serving.limits import (API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST,
                                     ServingLimits, api_keys_from_env)
+from fastgen.serving.lora import LoRAModule, parse_lora_module
 
 DEFAULT_PORT = 50050
 DEFAULT_REST_PORT = 51080

@@ -1,10 +1,11 @@
-"""LoRA adapters over REST, with the official `openai` client (unmodified) against the real server over
-a tiny llama checkpoint: `model=<adapter>` generates peft's greedy tokens and the base name the base
+"""LoRA adapters served: the official `openai` client (unmodified) against the real server over a tiny
+llama checkpoint, where `model=<adapter>` generates peft's greedy tokens and the base name the base
 model's (completions and chat, streamed and not), `/v1/models` lists adapters with their `parent`,
 vLLM's load/unload routes work at run time behind the API key (a bad adapter is a 400 and serving
-goes on, an unknown one a 404, one in use a 409), `vllm:lora_requests_info` is on `/metrics`,
-`--lora-modules` is read and checked by the launcher's command line (and the Ray app's `lora_modules`), and gRPC's `GenerateRequest.lora`
-selects an adapter (NOT_FOUND for one not loaded), also through the Python gRPC client's `lora=`."""
+goes on, an unknown one a 404, one in use a 409) and `vllm:lora_requests_info` is on `/metrics`;
+`--lora-modules` is read and checked by the launcher (end to end through `scripts/serve.py`) and the
+Ray app's `lora_modules`; gRPC's `GenerateRequest.lora` selects an adapter (NOT_FOUND for one not
+loaded), also through the Python gRPC client's `lora=`."""
 
 from __future__ import annotations
 
@@ -146,7 +147,8 @@ def test_bad_adapter_is_400_and_serving_goes_on(family, served, client, tmp_path
 
 
 def test_unloading_an_adapter_in_use_is_409(family, served, client):
-    assert _post(served, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": family.adapters["b"]}).status_code == 200
+    loaded = _post(served, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": family.adapters["b"]})
+    assert loaded.status_code == 200, loaded.text
     # As long as the KV cache allows, so the request still runs when the unload comes.
     longest = served.engine.max_model_len - len(family.prompts[0]) - 1
     stream = client.completions.create(model="c", prompt=family.prompts[0], max_tokens=longest, stream=True,

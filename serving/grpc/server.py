@@ -349,9 +349,9 @@ class GrpcServer:
     def admit(self, prompts: list, params: SamplingParams, context: grpc.ServicerContext,
               field: str = "prompts", lora: str | None = None) -> tuple[RequestGroup, Callable[[], None]]:
         """Check a call's request against the limits, take its sequences from the pending budget and
-        submit its prompts, under the LoRA adapter `lora` (None: the base model). Returns the group and its release, which the servicer calls when the
-        group ends; the call's end (normal, failed or cancelled) also aborts what is left and
-        releases, so a client that goes away gives its place back."""
+        submit its prompts, under the LoRA adapter `lora` (None: the base model). Returns the group and
+        its release, which the servicer calls when the group ends; the call's end (normal, failed or
+        cancelled) also aborts what is left and releases, so a client that goes away gives its place back."""
         self.limits.check_request_size(len(prompts), params.n, field)
         backend = self.backend()
         release = self.budget.acquire(len(prompts) * params.n, "n" if params.n > 1 else field)

@@ -32,8 +32,8 @@ from fastgen.serving.http.chat.output import ChoiceOutput, chat_message
 from fastgen.serving.http.gateway import generation_error
 from fastgen.serving.http.guard import ApiError, read_json_object
 from fastgen.serving.http.logprobs import chat_logprobs, completion_logprobs, echo_entries, vllm_prompt_logprobs
-from fastgen.serving.http.openai_params import Parsed, ignored_notice, model_not_found, parse_chat, parse_completion
 from fastgen.serving.http.lora_routes import adapter_cards
+from fastgen.serving.http.openai_params import Parsed, ignored_notice, model_not_found, parse_chat, parse_completion
 from fastgen.serving.http.request_models import RequestModels
 from fastgen.serving.lora import ServedAdapters
 
@@ -168,7 +168,8 @@ def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        req = await read_json_object(request, offload, lambda body: parse_completion(body, models, model_name, adapters))
+        req = await read_json_object(request, offload,
+                                     lambda body: parse_completion(body, models, model_name, adapters))
         headers = ignored_notice(request.method, request.url.path, req.ignored)
         head = {"id": req.response_id("cmpl", uuid.uuid4().hex), "object": "text_completion",
                 "created": int(time.time()), "model": req.lora or model_name}
