@@ -19,7 +19,7 @@ shape, any storage order (`fastgen.ops.kv_cache`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +109,7 @@ def _attend_heads(qh, kh, vh, mask, scale: float, softcap: float, sinks: torch.T
     return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def _paged_attention(
+def torch_paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -127,8 +127,21 @@ def _paged_attention(
     step_plans: dict | None = None,
     kernels: bool = False,
 ) -> torch.Tensor:
-    """`torch_paged_attention`, its one-token rows through the C++ CPU kernel where `kernels` and the
-    kernel serves the call (`cpu_decode_rows`)."""
+    """Write this step's K/V into the cache, then attend over each sequence's blocks (plain torch: the
+    CPU path, and the backend "torch" anywhere).
+
+    `query` is `[T, num_q_heads, head_dim]`, `key`/`value` `[T, num_kv_heads, head_dim]`; the
+    metadata is that of `AttentionMetadata`. `sliding_window` 0 means full attention; `softcap`
+    0 means no tanh soft-capping of the scores. `sinks` (`[num_q_heads]`, None = none): attention
+    sinks (gpt-oss), one learned logit per query head added to the softmax's denominator and to no
+    value, so a head may attend to nothing: out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)).
+    `attention_chunk` > 0 (Llama 4's chunked local attention): positions are cut into chunks of that
+    many from position 0, and a query sees only the earlier keys of its own chunk (0 = no chunks).
+    Returns `[T, num_q_heads, head_dim]`, zeros for padded tokens. `step_plans`
+    (`AttentionMetadata.step_plans`): what the first layer of a step works out from the metadata,
+    kept for the other layers; None works it out for this call only. `kernels`: the one-token rows go
+    to the C++ CPU kernel where it serves the call (`cpu_paged_attention`).
+    """
     # The CPU flash kernel reads each head's vector as if its elements were adjacent, whatever the
     # strides say (torch 2.13: a query with a last-dim stride of 2 gave wrong outputs, no error). The C++
     # kernel wants whole rows adjacent.
@@ -175,63 +188,11 @@ def _paged_attention(
     return out
 
 
-def torch_paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    attention_chunk: int = 0,
-    step_plans: dict | None = None,
-) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend over each sequence's blocks (plain torch: the
-    CPU path, and the backend "torch" anywhere).
-
-    `query` is `[T, num_q_heads, head_dim]`, `key`/`value` `[T, num_kv_heads, head_dim]`; the
-    metadata is that of `AttentionMetadata`. `sliding_window` 0 means full attention; `softcap`
-    0 means no tanh soft-capping of the scores. `sinks` (`[num_q_heads]`, None = none): attention
-    sinks (gpt-oss), one learned logit per query head added to the softmax's denominator and to no
-    value, so a head may attend to nothing: out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)).
-    `attention_chunk` > 0 (Llama 4's chunked local attention): positions are cut into chunks of that
-    many from position 0, and a query sees only the earlier keys of its own chunk (0 = no chunks).
-    Returns `[T, num_q_heads, head_dim]`, zeros for padded tokens. `step_plans`
-    (`AttentionMetadata.step_plans`): what the first layer of a step works out from the metadata,
-    kept for the other layers; None works it out for this call only.
-    """
-    return _paged_attention(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                            scale, sliding_window, softcap, sinks, attention_chunk, step_plans)
-
-
-def cpu_paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    attention_chunk: int = 0,
-    step_plans: dict | None = None,
-) -> torch.Tensor:
-    """`torch_paged_attention`'s contract (the backend "cpu"), every one-token row of the step attended by
-    fastgen's C++ CPU kernel in one call (`fastgen.ops.cpu_kernels`); prompt chunks, and every row where the
-    kernel is off, unbuilt or does not serve the call's shapes, take the torch path."""
-    return _paged_attention(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                            scale, sliding_window, softcap, sinks, attention_chunk, step_plans, kernels=True)
+def cpu_paged_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """`torch_paged_attention` with `kernels=True` (the backend "cpu"): every one-token row of the step
+    attended by fastgen's C++ CPU kernel in one call (`fastgen.ops.cpu_kernels`); prompt chunks, and every row
+    where the kernel is off, unbuilt or does not take the call's shapes, stay on the torch path."""
+    return torch_paged_attention(*args, **kwargs, kernels=True)
 
 
 # Registered through `torch.library.Library` rather than `torch.library.custom_op`: the latter wraps

@@ -49,24 +49,13 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
-inline float vmaxall(vf v) { return _mm512_reduce_max_ps(v); }
-inline vf vexp(vf x) {
-  // Cephes expf: x = n ln2 + r, e^r by a degree-7 polynomial, 2^n by scalef. Inputs below -87.3 give 0
-  // (the softmax's masked and far-below-max scores).
-  const vf keep = x;
-  x = _mm512_max_ps(_mm512_min_ps(x, vset(88.0f)), vset(-88.0f));
-  vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  vf r = _mm512_fnmadd_ps(n, vset(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, vset(-2.12194440e-4f), r);
-  vf p = vset(1.9875691500e-4f);
-  p = vfma(p, r, vset(1.3981999507e-3f));
-  p = vfma(p, r, vset(8.3334519073e-3f));
-  p = vfma(p, r, vset(4.1665795894e-2f));
-  p = vfma(p, r, vset(1.6666665459e-1f));
-  p = vfma(p, r, vset(5.0000001201e-1f));
-  p = vfma(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, vset(1.0f)));
-  __mmask16 live = _mm512_cmp_ps_mask(keep, vset(-87.3f), _CMP_GE_OQ);
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vclamp(vf x, float lo, float hi) { return _mm512_max_ps(_mm512_min_ps(x, vset(hi)), vset(lo)); }
+inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+// p * 2^n for integral n, and zero where `keep` < floor.
+inline vf vscale2(vf p, vf n, vf keep, float floor) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(keep, vset(floor), _CMP_GE_OQ), _mm512_scalef_ps(p, n));
 }
 #else
 constexpr int W = 8;
@@ -89,30 +78,33 @@ inline float vsum(vf v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-inline float vmaxall(vf v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vclamp(vf x, float lo, float hi) { return _mm256_max_ps(_mm256_min_ps(x, vset(hi)), vset(lo)); }
+inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vf vscale2(vf p, vf n, vf keep, float floor) {
+  __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(pow2)), _mm256_cmp_ps(keep, vset(floor), _CMP_GE_OQ));
 }
+#endif
+
+// Cephes expf: x = n ln2 + r, e^r by a degree-7 polynomial, times 2^n. Inputs below -87.3 give 0 (the
+// softmax's padding and far-below-max scores).
 inline vf vexp(vf x) {
   const vf keep = x;
-  x = _mm256_max_ps(_mm256_min_ps(x, vset(88.0f)), vset(-88.0f));
-  vf n = _mm256_round_ps(_mm256_mul_ps(x, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vf r = _mm256_fnmadd_ps(n, vset(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, vset(-2.12194440e-4f), r);
+  x = vclamp(x, -88.0f, 88.0f);
+  const vf n = vround(vmul(x, vset(1.44269504088896341f)));
+  vf r = vfnma(n, vset(0.693359375f), x);
+  r = vfnma(n, vset(-2.12194440e-4f), r);
   vf p = vset(1.9875691500e-4f);
   p = vfma(p, r, vset(1.3981999507e-3f));
   p = vfma(p, r, vset(8.3334519073e-3f));
   p = vfma(p, r, vset(4.1665795894e-2f));
   p = vfma(p, r, vset(1.6666665459e-1f));
   p = vfma(p, r, vset(5.0000001201e-1f));
-  p = vfma(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, vset(1.0f)));
-  __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  vf live = _mm256_cmp_ps(keep, vset(-87.3f), _CMP_GE_OQ);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(pow2)), live);
+  p = vfma(p, vmul(r, r), vadd(r, vset(1.0f)));
+  return vscale2(p, n, keep, -87.3f);
 }
-#endif
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
