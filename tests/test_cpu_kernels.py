@@ -17,17 +17,17 @@ import textwrap
 import pytest
 import torch
 
-import fastgen.ops  # noqa: F401  (registers the fastgen:: ops)
 import fastgen.ops.paged_attention as paged_attention_module
+from fastgen.ops import write_kv_cache
 from fastgen.ops.cpu_kernels import (ENV_VAR, build_dir, cpu_kernel_isa, load_paged_decode, pick_isa, requested_isa,
                                      supported_isas)
 from fastgen.planning.hardware import Hardware
 from fastgen.planning.model_facts import model_facts
 from fastgen.planning.policy import make_plan
+from attention_oracle import paged_attention_oracle
 from test_paged_attention import _Harness, _run_batch, _Seq  # the harness every paged-attention op is checked by
 
 CPU_OP = torch.ops.fastgen.paged_attention_cpu
-TORCH_OP = torch.ops.fastgen.paged_attention_torch
 GIB = 1 << 30
 
 
@@ -55,13 +55,14 @@ def kernel_only(kernel_isa, monkeypatch) -> str:
 
 
 def _decode(h: _Harness, lengths: list[int], op=CPU_OP, pad_tokens: int = 1, pad_rows: int = 1) -> None:
-    """One decode step of sequences that end up `lengths` tokens long, checked against the oracle. Their
-    earlier tokens are written by the torch op unchecked (it has its own oracle tests): the oracle's Python
-    loops over long prompts would cost seconds."""
+    """One decode step of sequences that end up `lengths` tokens long, checked against the oracle. The K/V
+    of their earlier tokens are written straight into the cache: the oracle's Python loops over long
+    prompts would cost seconds."""
     seqs = [_Seq() for _ in lengths]
     context = [(s, n - 1) for s, n in zip(seqs, lengths) if n > 1]
     if context:
-        TORCH_OP(*h.step_args(context))
+        _, key, value, k_cache, v_cache, slot_mapping = h.step_args(context)[:6]
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     h.step([(s, 1) for s in seqs], pad_tokens=pad_tokens, pad_rows=pad_rows, op=op)
 
 
@@ -117,6 +118,33 @@ def test_long_rows_split_over_threads(kernel_only, dtype, flags):
     h = _Harness(block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype, num_blocks=200, seed=9,
                  **flags)
     _decode(h, [1501, 41])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("flags", [dict(), dict(window=6, sinks=True), dict(chunk=8, softcap=3.0)], ids=str)
+def test_multi_row_queries_through_the_kernel(kernel_isa, dtype, flags):
+    """The kernel's own op with `max_query_len` above 1 attends prompt chunks too (each row at its causal
+    offset); rows of longer chunks are left untouched (zero here)."""
+    h = _Harness(block_size=4, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seed=8, num_blocks=96,
+                 **flags)
+    seqs = [_Seq() for _ in range(5)]
+    h.step([(s, n) for s, n in zip(seqs, [3, 9, 1, 17, 6])], op=CPU_OP)
+    chunks = [(seqs[0], 5), (seqs[1], 1), (seqs[2], 12), (seqs[3], 2), (seqs[4], 7)]
+    args = h.step_args(chunks, pad_tokens=1, pad_rows=1)
+    expected = paged_attention_oracle(*args)[0]
+    query, key, value, k_cache, v_cache, slot_mapping, tables, seq_lens, starts, scale = args[:10]
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    out = torch.zeros_like(query)
+    sinks = None if h.sinks is None else h.sinks.float()
+    load_paged_decode(kernel_isa)(out, query, k_cache, v_cache, tables, seq_lens, starts, scale, h.window, h.softcap,
+                                  sinks, h.chunk, 8)
+    served = torch.zeros(query.shape[0], dtype=torch.bool)
+    bounds = starts.tolist()
+    for s, (_, n) in enumerate(chunks):
+        served[bounds[s]:bounds[s + 1]] = n <= 8
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(out[served].double(), expected[served], **tol)
+    assert torch.count_nonzero(out[~served]) == 0
 
 
 @pytest.mark.parametrize("isa", ["avx512_bf16", "avx512", "avx2"])

@@ -140,51 +140,80 @@ struct RowState {
   }
 };
 
-// Scores of `n` tokens against the row's query heads, into s[g][t] (already scaled).
+// Lane t of the result: the sum of the lanes of acc[t] (kTile accumulators, one per token).
+inline void lane_sums(const vf* acc, float* out) {
+#if defined(__AVX512F__)
+  // A transposing add tree: 45 shuffles and adds for 16 sums, against ~8 per sum reduced one by one.
+  vf quads[4];
+  for (int q = 0; q < 4; ++q) {
+    const vf* a = acc + 4 * q;
+    vf s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    vf s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    quads[q] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  auto fold = [](vf x, vf y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  vstore(out, fold(fold(quads[0], quads[1]), fold(quads[2], quads[3])));
+#else
+  for (int t = 0; t < kTile; ++t) out[t] = vsum(acc[t]);
+#endif
+}
+
+inline vf dot_lanes(const float* q, const float* k, int64_t dim) {
+  vf acc = vzero();
+  for (int64_t d = 0; d < dim; d += W) acc = vfma(vload(q + d), vload(k + d), acc);
+  return acc;
+}
+
+#if defined(__AVX512BF16__)
+// Pairs of bf16 products summed into fp32 lanes: the keys are never widened.
+inline vf dot_lanes(const c10::BFloat16* q, const c10::BFloat16* k, int64_t dim) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 32 <= dim; d += 32) {
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+  }
+  if (d < dim) {  // head dims of 16 mod 32 (80, 48): the last 16 elements, the rest of the register zero
+    const __mmask32 half = 0xFFFFu;
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(half, q + d),
+                           (__m512bh)_mm512_maskz_loadu_epi16(half, k + d));
+  }
+  return acc;
+}
+#endif
+
+// Scores of `n` tokens from `k` against the row's query heads, into s[g][t] (scaled); `tile` is scratch.
 template <typename T>
-inline void score_tile(const Problem& p, const T* q, const float* qf, const T* k, int64_t n,
-                       float (*s)[kTile], float* kf) {
+inline void score_tile(const Problem& p, const T* q, const float* qf, const T* k, int64_t n, float (*s)[kTile],
+                       float (*tile)[kMaxHeadDim]) {
   const int64_t D = p.head_dim;
+  vf acc[kTile];
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // Native bf16 dot products: pairs of bf16 products summed into fp32 lanes, no conversion of the keys.
-    for (int64_t t = 0; t < n; ++t) {
-      const T* kt = k + t * p.k_token;
-      for (int64_t g = 0; g < p.group; ++g) {
-        const T* qg = q + g * D;
-        __m512 acc = _mm512_setzero_ps();
-        int64_t d = 0;
-        for (; d + 32 <= D; d += 32) {
-          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qg + d), (__m512bh)_mm512_loadu_si512(kt + d));
-        }
-        if (d < D) {  // head dims of 16 mod 32 (80, 48): the last 16 elements, the rest of the register zero
-          const __mmask32 half = 0xFFFFu;
-          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(half, qg + d),
-                                 (__m512bh)_mm512_maskz_loadu_epi16(half, kt + d));
-        }
-        s[g][t] = _mm512_reduce_add_ps(acc) * p.scale;
-      }
+    for (int64_t g = 0; g < p.group; ++g) {
+      for (int64_t t = 0; t < kTile; ++t) acc[t] = t < n ? dot_lanes(q + g * D, k + t * p.k_token, D) : vzero();
+      lane_sums(acc, s[g]);
+      for (int t0 = 0; t0 < kTile; t0 += W) vstore(s[g] + t0, vmul(vload(s[g] + t0), vset(p.scale)));
     }
     return;
   }
 #endif
   (void)q;
+  const float* rows[kTile];
   for (int64_t t = 0; t < n; ++t) {
-    const T* kt = k + t * p.k_token;
-    const float* krow;
     if constexpr (std::is_same_v<T, float>) {
-      krow = kt;
-    } else {
-      // Widened once per token, then dotted with every query head from L1.
-      for (int64_t d = 0; d < D; d += W) vstore(kf + d, vload(kt + d));
-      krow = kf;
+      rows[t] = k + t * p.k_token;
+    } else {  // widened once, then dotted with every query head from L1
+      for (int64_t d = 0; d < D; d += W) vstore(tile[t] + d, vload(k + t * p.k_token + d));
+      rows[t] = tile[t];
     }
-    for (int64_t g = 0; g < p.group; ++g) {
-      const float* qg = qf + g * D;
-      vf acc = vzero();
-      for (int64_t d = 0; d < D; d += W) acc = vfma(vload(qg + d), vload(krow + d), acc);
-      s[g][t] = vsum(acc);  // qf carries the scale
-    }
+  }
+  for (int64_t g = 0; g < p.group; ++g) {
+    for (int64_t t = 0; t < kTile; ++t) acc[t] = t < n ? dot_lanes(qf + g * D, rows[t], D) : vzero();
+    lane_sums(acc, s[g]);  // qf carries the scale
   }
 }
 
@@ -194,8 +223,7 @@ void attend_range(const Problem& p, const int32_t* table, int64_t head, const T*
                   int64_t lo, int64_t hi, RowState& st) {
   const int64_t D = p.head_dim, G = p.group;
   alignas(64) float s[kMaxGroup][kTile];
-  alignas(64) float kf[kMaxHeadDim];
-  alignas(64) float vt[kTile][kMaxHeadDim];
+  alignas(64) float tile[kTile][kMaxHeadDim];  // widened keys, then widened values
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);
   for (int64_t pos = lo; pos < hi;) {
@@ -203,7 +231,7 @@ void attend_range(const Problem& p, const int32_t* table, int64_t head, const T*
     const int64_t n = std::min({hi - pos, p.block_size - offset, static_cast<int64_t>(kTile)});
     const T* k = kc + block * p.k_block + offset * p.k_token + head * p.k_head;
     const T* v = vc + block * p.v_block + offset * p.v_token + head * p.v_head;
-    score_tile(p, q, qf, k, n, s, kf);
+    score_tile(p, q, qf, k, n, s, tile);
     if (p.softcap > 0) {
       for (int64_t g = 0; g < G; ++g)
         for (int64_t t = 0; t < n; ++t) s[g][t] = p.softcap * std::tanh(s[g][t] / p.softcap);
@@ -217,8 +245,8 @@ void attend_range(const Problem& p, const int32_t* table, int64_t head, const T*
       if constexpr (std::is_same_v<T, float>) {
         vrow[t] = vtok;
       } else {
-        for (int64_t d = 0; d < D; d += W) vstore(vt[t] + d, vload(vtok + d));
-        vrow[t] = vt[t];
+        for (int64_t d = 0; d < D; d += W) vstore(tile[t] + d, vload(vtok + d));
+        vrow[t] = tile[t];
       }
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -378,7 +406,7 @@ void run(const Problem& p, int64_t num_seqs, int64_t max_query_len) {
   });
 }
 
-void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+void paged_decode(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                   double scale, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks,
                   int64_t attention_chunk, int64_t max_query_len) {
