@@ -9,6 +9,7 @@ The kernel is built once per ISA variant into the user's fastgen cache and reuse
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -17,7 +18,6 @@ import textwrap
 import pytest
 import torch
 
-import fastgen.ops.paged_attention as paged_attention_module
 from fastgen.ops import write_kv_cache
 from fastgen.ops.cpu_kernels import (ENV_VAR, build_dir, cpu_kernel_isa, load_paged_decode, pick_isa, requested_isa,
                                      supported_isas)
@@ -28,6 +28,8 @@ from attention_oracle import paged_attention_oracle
 from test_paged_attention import _Harness, _run_batch, _Seq  # the harness every paged-attention op is checked by
 
 CPU_OP = torch.ops.fastgen.paged_attention_cpu
+# The module, not the op `fastgen.ops` exports under the same name.
+paged_attention_module = importlib.import_module("fastgen.ops.paged_attention")
 GIB = 1 << 30
 
 

@@ -10,6 +10,7 @@ on the torch path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -37,6 +38,18 @@ def build_dir(isa: str) -> str:
     return os.path.join(fastgen_cache_dir(), "cpu_kernels", f"{isa}-{digest.hexdigest()[:16]}")
 
 
+# A build takes well under a minute; a lock older than this was left by a process killed mid-build.
+_STALE_LOCK_S = 600
+
+
+def _drop_stale_lock(directory: str) -> None:
+    """Remove the build lock of a killed build: torch's FileBaton would wait on it forever."""
+    lock = os.path.join(directory, "lock")
+    with contextlib.suppress(OSError):
+        if time.time() - os.path.getmtime(lock) > _STALE_LOCK_S:
+            os.remove(lock)
+
+
 @functools.cache
 def load_paged_decode(isa: str) -> torch._ops.OpOverloadPacket | None:
     """`fastgen::paged_decode_<isa>` (see `paged_decode.cpp`), built or found in the cache on the first call
@@ -48,6 +61,7 @@ def load_paged_decode(isa: str) -> torch._ops.OpOverloadPacket | None:
         import torch.utils.cpp_extension  # noqa: PLC0415 - setuptools and friends, only when a kernel is built
 
         os.makedirs(directory, exist_ok=True)
+        _drop_stale_lock(directory)
         torch.utils.cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=[*ISA_FLAGS[isa], f"-DFASTGEN_ISA={isa}"],
                                        extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False)
     except Exception as exc:  # noqa: BLE001 - any failure to build means the torch path, never an error
