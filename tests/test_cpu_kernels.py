@@ -18,6 +18,8 @@ import textwrap
 import pytest
 import torch
 
+import fastgen
+
 from fastgen.ops import write_kv_cache
 from fastgen.ops.cpu_kernels import (ENV_VAR, build_dir, cpu_kernel_isa, load_paged_decode, pick_isa, requested_isa,
                                      supported_isas)
@@ -25,6 +27,7 @@ from fastgen.planning.hardware import Hardware
 from fastgen.planning.model_facts import model_facts
 from fastgen.planning.policy import make_plan
 from attention_oracle import paged_attention_oracle
+from kit import build_checkpoint
 from test_paged_attention import _Harness, _run_batch, _Seq  # the harness every paged-attention op is checked by
 
 CPU_OP = torch.ops.fastgen.paged_attention_cpu
@@ -247,6 +250,22 @@ def test_op_is_one_opaque_node_under_compile(kernel_only):
     _decode(h, _lengths(8, seed=6), op=compiled)
     calls = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert len(graphs) == 1 and calls in ([CPU_OP], [CPU_OP.default])
+
+
+def test_pipeline_on_the_cpu_backend_equals_the_torch_path(kernel_isa, tmp_path, monkeypatch):
+    """The engine with attention_backend="cpu" gives the torch path's tokens, every decode row on the kernel."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    path = build_checkpoint(str(tmp_path / "llama"), "llama")
+    small = dict(num_kv_blocks=16, block_size=8, token_budget=16, max_seqs=4, progress=False)
+    texts = ["The quick brown fox", "def f(x): return x", "one two"]
+    results = {}
+    for backend in ("torch", "cpu"):
+        if backend == "cpu":
+            monkeypatch.setattr(paged_attention_module, "attend_decode_rows", None)  # a decode row on torch fails
+        with fastgen.pipeline(path, attention_backend=backend, **small) as pipe:
+            assert pipe.engine.runner.attention_backend == backend
+            results[backend] = [r.token_ids for r in pipe(texts, max_new_tokens=6, do_sample=False)]
+    assert results["cpu"] == results["torch"]
 
 
 @pytest.fixture(scope="module")
