@@ -31,6 +31,7 @@ constexpr int kTile = 16;       // tokens scored per softmax update
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int kMaxHeadDim = 512;
 constexpr int64_t kMinSplit = 256;  // fewest keys an item takes when a sequence is split
+constexpr int64_t kParallelMin = 2048;  // fewer keys x KV heads than this in a step: one thread (~40 us of work)
 
 #if defined(__AVX512F__)
 constexpr int W = 16;
@@ -504,12 +505,18 @@ void run(const Problem& p, int64_t num_seqs, int64_t max_query_len) {
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  auto work = [&](int64_t, int64_t) {
     for (int64_t i = next++; i < static_cast<int64_t>(order.size()); i = next++) {
       run_item<T>(p, items[order[i]], partials.data());
     }
-  });
+  };
+  // A step this small is done before a parallel region would have started its threads.
+  const int64_t workers = total < kParallelMin ? 1 : std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
+  if (workers == 1) {
+    work(0, 1);
+  } else {
+    at::parallel_for(0, workers, 1, work);
+  }
   std::vector<int64_t> merges;
   for (size_t i = 0; i < items.size(); ++i) {
     if (items[i].splits > 1 && items[i].split == 0) merges.push_back(static_cast<int64_t>(i));
