@@ -25,7 +25,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     """int32 `[S + 1]`: sequence `s` owns query tokens `query_start_loc[s]:query_start_loc[s + 1]`."""
     backend: str = "auto"
-    """Attention implementation: "auto" (by device: Triton on CUDA, torch on CPU), "torch" or "triton".
+    """Attention implementation: "auto" (by device: Triton on CUDA, torch on CPU), "torch", "triton" or "cpu"
+    (the torch path with its decode rows on fastgen's C++ CPU kernel).
     A plain string, so torch.compile specialises on it instead of guarding on tensors."""
     long_rope: torch.Tensor | None = None
     """bool `[T]`: the token's rotary embedding takes LongRoPE's long factors (attention itself ignores

@@ -91,7 +91,9 @@ _LIBRARY.impl("latent_attention_torch", torch_latent_attention, "CompositeExplic
 _LIBRARY.impl("latent_attention_triton", triton_latent_attention, "CompositeExplicitAutograd")
 
 _OPS = {"auto": torch.ops.fastgen.latent_attention, "torch": torch.ops.fastgen.latent_attention_torch,
-        "triton": torch.ops.fastgen.latent_attention_triton}
+        "triton": torch.ops.fastgen.latent_attention_triton,
+        # The backend "cpu" names fastgen's C++ kernel for paged attention; latent attention has none: torch.
+        "cpu": torch.ops.fastgen.latent_attention_torch}
 
 
 def latent_attention(
@@ -106,7 +108,7 @@ def latent_attention(
     md = attn_metadata
     if md.backend not in _OPS:
         raise ValueError(f"unknown attention backend {md.backend!r} (supported: {', '.join(_OPS)})")
-    torch_path = md.backend == "torch" or (md.backend == "auto" and query.device.type != "cuda")
+    torch_path = md.backend in ("torch", "cpu") or (md.backend == "auto" and query.device.type != "cuda")
     if torch_path and not torch.compiler.is_compiling():
         # Eager: the implementation itself, keeping the step's plans for the other layers (as `attention`).
         return torch_latent_attention(query, latent, kv_cache[0], md.slot_mapping, md.block_tables, md.seq_lens,
@@ -119,5 +121,5 @@ def _fake(query, latent, cache, slot_mapping, block_tables, seq_lens, query_star
     return torch.empty_like(query)
 
 
-for _name in _OPS.values():
-    torch.library.register_fake(_name.default, _fake, lib=_LIBRARY)
+for _name in ("latent_attention", "latent_attention_torch", "latent_attention_triton"):
+    torch.library.register_fake(f"fastgen::{_name}", _fake, lib=_LIBRARY)

@@ -8,9 +8,10 @@ tuned for the CPU (one-token rows attended block by block, all in one call, by
 `fastgen.ops.decode_attention`). The Triton kernel (`fastgen.ops.triton_attention`) serves CUDA
 tensors; both are tested against a float64 oracle.
 
-Three ops share one signature: `fastgen::paged_attention` picks by device (Triton on CUDA, torch
-elsewhere), `fastgen::paged_attention_torch` is always the torch path and
-`fastgen::paged_attention_triton` always Triton (on the CPU only through `TRITON_INTERPRET=1`).
+Four ops share one signature: `fastgen::paged_attention` picks by device (Triton on CUDA, torch
+elsewhere), `fastgen::paged_attention_torch` is always the torch path,
+`fastgen::paged_attention_triton` always Triton (on the CPU only through `TRITON_INTERPRET=1`) and
+`fastgen::paged_attention_cpu` the torch path with its decode rows on fastgen's C++ CPU kernel.
 
 KV-cache layout (per layer, K and V separately): `[num_blocks, block_size, num_kv_heads, head_dim]` by
 shape, any storage order (`fastgen.ops.kv_cache`).
@@ -18,11 +19,12 @@ shape, any storage order (`fastgen.ops.kv_cache`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from fastgen.ops.cpu_kernels.decode import cpu_decode_rows
 from fastgen.ops.decode_attention import attend_decode_rows
 from fastgen.ops.kv_cache import gather_blocks, kv_slots, write_kv_cache
 from fastgen.ops.triton_attention import triton_paged_attention
@@ -123,6 +125,7 @@ def torch_paged_attention(
     sinks: torch.Tensor | None = None,
     attention_chunk: int = 0,
     step_plans: dict | None = None,
+    kernels: bool = False,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend over each sequence's blocks (plain torch: the
     CPU path, and the backend "torch" anywhere).
@@ -136,10 +139,14 @@ def torch_paged_attention(
     many from position 0, and a query sees only the earlier keys of its own chunk (0 = no chunks).
     Returns `[T, num_q_heads, head_dim]`, zeros for padded tokens. `step_plans`
     (`AttentionMetadata.step_plans`): what the first layer of a step works out from the metadata,
-    kept for the other layers; None works it out for this call only.
+    kept for the other layers; None works it out for this call only. `kernels`: the one-token rows go
+    to the C++ CPU kernel where it serves the call (`cpu_paged_attention`).
     """
     # The CPU flash kernel reads each head's vector as if its elements were adjacent, whatever the
-    # strides say (torch 2.13: a query with a last-dim stride of 2 gave wrong outputs, no error).
+    # strides say (torch 2.13: a query with a last-dim stride of 2 gave wrong outputs, no error). The C++
+    # kernel wants whole rows adjacent.
+    if kernels:
+        query = query.contiguous()
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     plans = {} if step_plans is None else step_plans
     if "offsets" not in plans:
@@ -158,7 +165,8 @@ def torch_paged_attention(
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plans["slots"])
     out = torch.zeros_like(query)
     block_size = k_cache.shape[1]
-    if single:
+    if single and not (kernels and cpu_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                   scale, sliding_window, softcap, sinks, attention_chunk, out)):
         attend_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, single, [starts[s] for s in single],
                            scale, sliding_window, softcap, out, plans, sinks, attention_chunk)
     for s, q_start, q_end, seq_len in chunks:
@@ -180,6 +188,13 @@ def torch_paged_attention(
     return out
 
 
+def cpu_paged_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """`torch_paged_attention` with `kernels=True` (the backend "cpu"): every one-token row of the step
+    attended by fastgen's C++ CPU kernel in one call (`fastgen.ops.cpu_kernels`); prompt chunks, and every row
+    where the kernel is off, unbuilt or does not take the call's shapes, stay on the torch path."""
+    return torch_paged_attention(*args, **kwargs, kernels=True)
+
+
 # Registered through `torch.library.Library` rather than `torch.library.custom_op`: the latter wraps
 # every call in Python autograd / inplace-view handling that measured ~80-110 us per call against
 # ~7-11 us here, paid once per layer per step. The step runs under inference mode, so no autograd
@@ -191,12 +206,14 @@ _LIBRARY = torch.library.Library("fastgen", "DEF")
 _LIBRARY.define("paged_attention" + _SCHEMA)
 _LIBRARY.define("paged_attention_torch" + _SCHEMA)
 _LIBRARY.define("paged_attention_triton" + _SCHEMA)
+_LIBRARY.define("paged_attention_cpu" + _SCHEMA)
 # `paged_attention` picks by device: Triton on CUDA, the torch path elsewhere.
 _LIBRARY.impl("paged_attention", torch_paged_attention, "CompositeExplicitAutograd")
 _LIBRARY.impl("paged_attention", triton_paged_attention, "CUDA")
 _LIBRARY.impl("paged_attention_torch", torch_paged_attention, "CompositeExplicitAutograd")
 # On the CPU only through `TRITON_INTERPRET=1`.
 _LIBRARY.impl("paged_attention_triton", triton_paged_attention, "CompositeExplicitAutograd")
+_LIBRARY.impl("paged_attention_cpu", cpu_paged_attention, "CompositeExplicitAutograd")
 
 paged_attention = torch.ops.fastgen.paged_attention
 """`fastgen::paged_attention`: `torch_paged_attention`'s contract; CUDA tensors take the Triton kernel."""
@@ -204,6 +221,8 @@ paged_attention_torch = torch.ops.fastgen.paged_attention_torch
 """`fastgen::paged_attention_torch`: always `torch_paged_attention` (backend "torch")."""
 paged_attention_triton = torch.ops.fastgen.paged_attention_triton
 """`fastgen::paged_attention_triton`: always the Triton kernel (backend "triton"); see `triton_paged_attention`."""
+paged_attention_cpu = torch.ops.fastgen.paged_attention_cpu
+"""`fastgen::paged_attention_cpu`: `cpu_paged_attention`, decode rows on the C++ CPU kernel (backend "cpu")."""
 
 
 def attention(
@@ -221,25 +240,29 @@ def attention(
     """What model code calls: paged attention of one layer through `attn_metadata.backend`."""
     md = attn_metadata
     torch_path = md.backend == "torch" or (md.backend == "auto" and query.device.type != "cuda")
-    if torch_path and not torch.compiler.is_compiling():
+    if (torch_path or md.backend == "cpu") and not torch.compiler.is_compiling():
         # Eager: straight to the implementation, which keeps what one layer works out from the metadata
         # for the step's other layers (a compiled graph calls the op, which works it out per layer). Named
         # as the op in profiles, so traces read the same either way; the name is only recorded while a
         # profiler runs (~10 us a layer otherwise).
         args = (query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping, md.block_tables, md.seq_lens,
                 md.query_start_loc, scale, sliding_window, softcap, sinks, attention_chunk, md.step_plans)
+        impl, name = (torch_paged_attention, "paged_attention_torch") if torch_path else (cpu_paged_attention,
+                                                                                          "paged_attention_cpu")
         if not torch.autograd._profiler_enabled():
-            return torch_paged_attention(*args)
-        with torch.profiler.record_function("fastgen::paged_attention_torch"):
-            return torch_paged_attention(*args)
+            return impl(*args)
+        with torch.profiler.record_function(f"fastgen::{name}"):
+            return impl(*args)
     if attn_metadata.backend == "auto":
         op = paged_attention
     elif attn_metadata.backend == "torch":
         op = paged_attention_torch
     elif attn_metadata.backend == "triton":
         op = paged_attention_triton
+    elif attn_metadata.backend == "cpu":
+        op = paged_attention_cpu
     else:
-        raise ValueError(f"unknown attention backend {attn_metadata.backend!r} (supported: auto, torch, triton)")
+        raise ValueError(f"unknown attention backend {attn_metadata.backend!r} (supported: auto, torch, triton, cpu)")
     return op(
         query, key, value, kv_cache[0], kv_cache[1], md.slot_mapping, md.block_tables, md.seq_lens,
         md.query_start_loc, scale, sliding_window, softcap, sinks, attention_chunk,
@@ -251,5 +274,5 @@ def _fake(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_l
     return torch.empty_like(query)
 
 
-for _name in ("paged_attention", "paged_attention_torch", "paged_attention_triton"):
+for _name in ("paged_attention", "paged_attention_torch", "paged_attention_triton", "paged_attention_cpu"):
     torch.library.register_fake(f"fastgen::{_name}", _fake, lib=_LIBRARY)

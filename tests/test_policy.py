@@ -14,6 +14,7 @@ import torch
 import transformers
 
 import fastgen
+from fastgen.ops.cpu_kernels import isas_from_flags, pick_isa, requested_isa
 from fastgen.planning.hardware import ISA_FLAGS, GPUInfo, Hardware, detect_hardware, measure_cpu_matmul
 from fastgen.planning.model_facts import ModelFacts, model_facts
 from fastgen.planning.plan import PLAN_FIELDS, Plan
@@ -182,9 +183,12 @@ def _check_consistent(plan: Plan) -> None:
 
 
 def test_plan_for_this_machine(models):
-    plan = make_plan(models["1b"], detect_hardware("cpu"))
+    hardware = detect_hardware("cpu")
+    plan = make_plan(models["1b"], hardware)
     _check_consistent(plan)
-    assert plan.dtype != torch.float16 and plan.attention_backend == "torch" and not plan.cuda_graphs
+    kernel = hardware.cpp_compiler and pick_isa(isas_from_flags(hardware.cpu_flags), requested_isa())
+    assert plan.dtype != torch.float16 and plan.attention_backend == ("cpu" if kernel else "torch")
+    assert not plan.cuda_graphs
 
 
 def test_two_core_bf16_cpu_plan_for_1b(models):
@@ -383,6 +387,7 @@ def test_derived_fields_follow_overrides(models):
     ("gpu", dict(tensor_parallel=8), "larger than the 4 GPU"),
     ("gpu", dict(compile="fast"), "compile must be one of"),
     ("gpu", dict(attention_backend="flash"), "attention_backend must be one of"),
+    ("gpu", dict(attention_backend="cpu"), "C\\+\\+ CPU kernel"),
     ("gpu", dict(buckets=(4, 2)), "strictly ascending"),
     ("gpu", dict(buckets=(0, 2)), "strictly ascending"),
     ("gpu", dict(buckets=()), "strictly ascending"),

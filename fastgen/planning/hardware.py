@@ -7,6 +7,7 @@ Tests build `Hardware` directly to stand for machines we do not have (an 8x H100
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -57,6 +58,9 @@ class Hardware:
     nodes: int = 1
     """Machines of a multi-node torchrun launch (WORLD_SIZE / LOCAL_WORLD_SIZE), each with `gpus`;
     tensor-parallel ranks may span them."""
+    cpp_compiler: str = ""
+    """Path of the C++ compiler torch's extension toolchain would run (`$CXX`, else `c++`), which builds
+    fastgen's CPU kernels; empty where there is none."""
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cpu", "cuda"):
@@ -96,6 +100,7 @@ def detect_hardware(device: str | torch.device | None = None, measure: bool = Fa
         gpus=gpus,
         matmul_gflops=measure_cpu_matmul() if measure else {},
         nodes=_torchrun_nodes(),
+        cpp_compiler=shutil.which(os.environ.get("CXX") or "c++") or "",
     )
 
 

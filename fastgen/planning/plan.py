@@ -20,8 +20,9 @@ from fastgen.models.config import parse_dtype
 from fastgen.models.quant import INT4_GROUP_SIZES, QUANTIZATIONS
 from fastgen.planning.speculative import SpeculativeConfig, check_speculative_config, parse_speculative_config
 
-ATTENTION_BACKENDS = ("triton", "torch")
-"""Paged-attention implementations: Triton kernels (CUDA, or the interpreter), torch ops."""
+ATTENTION_BACKENDS = ("triton", "cpu", "torch")
+"""Paged-attention implementations: Triton kernels (CUDA, or the interpreter), fastgen's C++ CPU kernel for
+decode rows (prompt chunks on torch), torch ops."""
 COMPILE_MODES = ("off", "default", "max-autotune")
 """`compile` settings: no torch.compile; Inductor's default; Inductor with autotuned kernels."""
 OFFLOAD_MODES = ("none", "cpu", "disk")
@@ -138,7 +139,8 @@ class Plan:
         "input features sharing one int4 scale and zero: 32, 64, 128 or 256 (unused unless quantization is int4)",
         "int | None", int, _check_group_size)
     attention_backend: str = plan_field(
-        'paged attention implementation: "triton" or "torch" ("auto" = the policy)', "str | None", str,
+        'paged attention implementation: "triton", "cpu" (fastgen\'s C++ decode kernel, built at first use; '
+        'FASTGEN_CPU_KERNELS=off|avx2|avx512 caps its ISA) or "torch" ("auto" = the policy)', "str | None", str,
         _check_choice(ATTENTION_BACKENDS))
     compile: str = plan_field(
         'torch.compile of each decoder layer (regional: one graph the layers share): "off", "default" or '

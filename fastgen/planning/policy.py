@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from fastgen.models.quant import DEFAULT_GROUP_SIZE
+from fastgen.ops.cpu_kernels import ENV_VAR, ISA_NOTES, build_dir, isas_from_flags, pick_isa, requested_isa
 from fastgen.ops.packed_linear import PREPACK_DTYPES, prepack_available
 from fastgen.planning.hardware import Hardware, detect_hardware
 from fastgen.planning.lora_plan import choose_lora, without_graphs_for_lora
@@ -327,14 +328,30 @@ def _choose_dtype(model: ModelFacts, hw: Hardware) -> tuple[torch.dtype, str]:
 
 
 def _choose_attention(hw: Hardware) -> tuple[str, str]:
-    """Triton on CUDA devices Triton supports (cc >= 8.0), the torch reference elsewhere."""
+    """Triton on CUDA devices Triton supports (cc >= 8.0), fastgen's C++ kernel on CPUs that can build and
+    run it, the torch reference elsewhere."""
     if hw.device_type == "cpu":
-        return "torch", "Triton runs on a CPU only through its interpreter, ~1000x slower than torch"
+        return _choose_cpu_attention(hw)
     cc = min(g.compute_capability for g in hw.gpus)
     if cc < (8, 0):
         return "torch", (f"cc {cc[0]}.{cc[1]}: Triton supports 8.0+, and since Triton 3.3 its tl.dot below 8.0 "
                          "compiles to FMA (no tensor cores)")
     return "triton", "one Triton launch serves mixed prefill+decode steps over the block tables"
+
+
+def _choose_cpu_attention(hw: Hardware) -> tuple[str, str]:
+    """The C++ decode kernel's best variant under `FASTGEN_CPU_KERNELS`, else the torch path, with the reason."""
+    requested = requested_isa()
+    isa = pick_isa(isas_from_flags(hw.cpu_flags), requested)
+    if isa is None:
+        why = f"{ENV_VAR}=off" if requested == "off" else "this CPU has no AVX2"
+        return "torch", f"{why}: no C++ CPU kernel; Triton runs on a CPU only through its interpreter"
+    if not hw.cpp_compiler:
+        return "torch", "no C++ compiler ($CXX, else c++) to build fastgen's CPU kernels at first use"
+    capped = f", capped by {ENV_VAR}={requested}" if requested != "auto" else ""
+    return "cpu", (f"C++ paged decode attention, {isa} variant{capped}: {ISA_NOTES[isa]}; all decode rows of a "
+                   f"step in one call, KV blocks read in place (prompt chunks: torch's flash kernel); built by "
+                   f"{hw.cpp_compiler} at first use into {build_dir(isa)}")
 
 
 CPU_COMPILE_MIN_PARAMS = 50_000_000
@@ -523,6 +540,8 @@ def _check_overrides_fit_hardware(user: dict[str, Any], model: ModelFacts, hw: H
         raise ValueError("cuda_graphs=True needs a CUDA device; this plan is for the CPU")
     if cpu and user.get("attention_backend") == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attention_backend='triton' on a CPU needs TRITON_INTERPRET=1 (the interpreter, ~1000x slower)")
+    if not cpu and user.get("attention_backend") == "cpu":
+        raise ValueError("attention_backend='cpu' is fastgen's C++ CPU kernel; this plan is for CUDA")
     if cpu and user.get("dtype") == torch.float16 and not {"avx512_fp16", "amx_fp16"} & hw.cpu_flags:
         raise ValueError("dtype float16 on a CPU without AVX512-FP16 or AMX-FP16: fp16 matmul runs ~3 GFLOP/s there, "
                          "~100x slower than bf16 (~410). Use bfloat16")

@@ -17,6 +17,7 @@ import tempfile
 
 from fastgen.models.gguf.metadata import gguf_config_dict
 from fastgen.models.gguf.reader import Metadata, open_gguf
+from fastgen.ops.cache_dir import fastgen_cache_dir
 
 logger = logging.getLogger("fastgen")
 
@@ -51,9 +52,7 @@ def find_gguf_file(path: str) -> str | None:
 
 def gguf_cache_dir() -> str:
     """Where prepared GGUF directories live: $FASTGEN_CACHE, else $XDG_CACHE_HOME/fastgen, else ~/.cache/fastgen."""
-    root = os.environ.get("FASTGEN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastgen")
-    return os.path.join(root, "gguf")
+    return os.path.join(fastgen_cache_dir(), "gguf")
 
 
 def _file_identity(path: str) -> dict:

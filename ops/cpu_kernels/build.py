@@ -1,0 +1,72 @@
+"""Building the C++ CPU kernels at first use, and reusing the build in every later process.
+
+The source ships in the package and is compiled by torch's extension toolchain
+(`torch.utils.cpp_extension.load`: the compiler and headers Inductor's CPU backend needs anyway) into
+`$FASTGEN_CACHE/cpu_kernels/<isa>-<key>`, where the key hashes the source, the variant's flags, torch's
+version and the compiler. A second process finds the library there and only loads it. Where the build
+fails (no compiler, no ninja, a compiler error) the caller gets None and one log line, and attention runs
+on the torch path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import time
+
+import torch
+
+from fastgen.ops.cache_dir import fastgen_cache_dir
+from fastgen.ops.cpu_kernels.isa import ISA_FLAGS
+
+logger = logging.getLogger("fastgen")
+
+SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.cpp")
+"""The kernels' C++ source."""
+
+
+def build_dir(isa: str) -> str:
+    """Where variant `isa` of the current source is built for this torch and compiler."""
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read())
+    digest.update(" ".join(ISA_FLAGS[isa]).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(os.environ.get("CXX", "c++").encode())
+    return os.path.join(fastgen_cache_dir(), "cpu_kernels", f"{isa}-{digest.hexdigest()[:16]}")
+
+
+# A build takes well under a minute; a lock older than this was left by a process killed mid-build.
+_STALE_LOCK_S = 600
+
+
+def _drop_stale_lock(directory: str) -> None:
+    """Remove the build lock of a killed build: torch's FileBaton would wait on it forever."""
+    lock = os.path.join(directory, "lock")
+    with contextlib.suppress(OSError):
+        if time.time() - os.path.getmtime(lock) > _STALE_LOCK_S:
+            os.remove(lock)
+
+
+@functools.cache
+def load_paged_decode(isa: str) -> torch._ops.OpOverloadPacket | None:
+    """`fastgen::paged_decode_<isa>` (see `paged_decode.cpp`), built or found in the cache on the first call
+    of a process; None, logged once, when it cannot be built."""
+    directory = build_dir(isa)
+    name = f"fastgen_cpu_kernels_{isa}"
+    start = time.perf_counter()
+    try:
+        import torch.utils.cpp_extension  # noqa: PLC0415 - setuptools and friends, only when a kernel is built
+
+        os.makedirs(directory, exist_ok=True)
+        _drop_stale_lock(directory)
+        torch.utils.cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=[*ISA_FLAGS[isa], f"-DFASTGEN_ISA={isa}"],
+                                       extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False)
+    except Exception as exc:  # noqa: BLE001 - any failure to build means the torch path, never an error
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        logger.warning("C++ CPU kernels (%s) unavailable, attention stays on the torch path: %s", isa, lines[0])
+        return None
+    logger.info("C++ CPU kernels (%s) ready in %.1f s from %s", isa, time.perf_counter() - start, directory)
+    return getattr(torch.ops.fastgen, f"paged_decode_{isa}")

@@ -1,0 +1,48 @@
+"""The one-token rows of a paged-attention step on the C++ CPU kernel, or nothing where it cannot serve them."""
+
+from __future__ import annotations
+
+import torch
+
+from fastgen.ops.cpu_kernels.build import load_paged_decode
+from fastgen.ops.cpu_kernels.isa import cpu_kernel_isa
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Cache dtypes the kernel reads (the query in the same dtype)."""
+
+MAX_GROUP = 16
+"""Most query heads per KV head the kernel takes (`kMaxGroup`)."""
+
+MAX_HEAD_DIM = 512
+"""Largest head dim the kernel takes (`kMaxHeadDim`); it must also be a multiple of 16."""
+
+
+def kernel_serves(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes these shapes, dtypes and layouts (any block size, sliding window, softcap,
+    sinks and attention chunk are its own flags)."""
+    head_dim, kv_heads = k_cache.shape[3], k_cache.shape[2]
+    return (query.device.type == "cpu" and query.dtype in KERNEL_DTYPES
+            and k_cache.dtype == query.dtype and v_cache.dtype == query.dtype
+            and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+            and query.shape[1] % kv_heads == 0 and query.shape[1] // kv_heads <= MAX_GROUP
+            and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
+
+
+def cpu_decode_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sliding_window: int,
+                    softcap: float, sinks: torch.Tensor | None, attention_chunk: int, out: torch.Tensor) -> bool:
+    """Attend the query token of every sequence that has exactly one (`query_start_loc`) over its blocks, in
+    one kernel call, into `out` (contiguous, like `query`); the other rows of `out` are left as they are.
+    False, with nothing done, where the kernel is off (`FASTGEN_CPU_KERNELS`), could not be built, or does
+    not take these tensors (`kernel_serves`). This step's K/V must already be in the cache."""
+    if not kernel_serves(query, k_cache, v_cache):
+        return False
+    isa = cpu_kernel_isa()
+    op = load_paged_decode(isa) if isa is not None else None
+    if op is None:
+        return False
+    int32 = (t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+             for t in (block_tables, seq_lens, query_start_loc))
+    op(out, query, k_cache, v_cache, *int32, scale, sliding_window, softcap,
+       None if sinks is None else sinks.to(torch.float32).contiguous(), attention_chunk, 1)
+    return True

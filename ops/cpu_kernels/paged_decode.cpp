@@ -1,0 +1,578 @@
+// Paged attention of few-row queries (decode rows) over the blocked KV cache, read in place.
+//
+// One call serves every sequence of a step. Work items are (sequence, KV head, key split): an item
+// scores each tile of its keys (at most 16 tokens of one block) against all the query heads sharing
+// that KV head, then folds the tile into an online softmax kept in fp32. A sequence whose keys are
+// split over several items (long contexts, few sequences: enough items to keep every core busy) gets
+// its partial results merged through their log-sum-exps, as in flash-decoding. Only the slots a row
+// may see are ever read, so whatever stale or NaN values lie beyond them never reach a result.
+//
+// Built once per ISA variant (ops/cpu_kernels/isa.py names the flags); FASTGEN_ISA names the op.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kTile = 16;       // tokens scored per softmax update
+constexpr int kMaxGroup = 16;   // query heads per KV head
+constexpr int kMaxHeadDim = 512;
+constexpr int64_t kMinSplit = 256;  // fewest keys an item takes when a sequence is split
+constexpr int64_t kParallelMin = 2048;  // fewer keys x KV heads than this in a step: one thread (~40 us of work)
+
+#if defined(__AVX512F__)
+constexpr int W = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const c10::BFloat16* p) {
+  // bf16 is the top half of an fp32: widen and shift.
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline vf vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vclamp(vf x, float lo, float hi) { return _mm512_max_ps(_mm512_min_ps(x, vset(hi)), vset(lo)); }
+inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+// p * 2^n for integral n, and zero where `keep` < floor.
+inline vf vscale2(vf p, vf n, vf keep, float floor) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(keep, vset(floor), _CMP_GE_OQ), _mm512_scalef_ps(p, n));
+}
+#else
+constexpr int W = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload(const c10::BFloat16* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline vf vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline float vsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vclamp(vf x, float lo, float hi) { return _mm256_max_ps(_mm256_min_ps(x, vset(hi)), vset(lo)); }
+inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vf vscale2(vf p, vf n, vf keep, float floor) {
+  __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(pow2)), _mm256_cmp_ps(keep, vset(floor), _CMP_GE_OQ));
+}
+#endif
+
+// Cephes expf: x = n ln2 + r, e^r by a degree-7 polynomial, times 2^n. Inputs below -87.3 give 0 (the
+// softmax's padding and far-below-max scores).
+inline vf vexp(vf x) {
+  const vf keep = x;
+  x = vclamp(x, -88.0f, 88.0f);
+  const vf n = vround(vmul(x, vset(1.44269504088896341f)));
+  vf r = vfnma(n, vset(0.693359375f), x);
+  r = vfnma(n, vset(-2.12194440e-4f), r);
+  vf p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset(1.0f)));
+  return vscale2(p, n, keep, -87.3f);
+}
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+// Everything an item needs to find its rows, keys and outputs. Strides are in elements.
+struct Problem {
+  const void* query;  // [T, Hq, D], contiguous
+  const void* k_cache;
+  const void* v_cache;
+  void* out;  // [T, Hq, D], contiguous
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  const float* sinks;  // [Hq] or nullptr
+  int64_t table_stride, block_size, kv_heads, group, head_dim;
+  int64_t k_block, k_token, k_head, v_block, v_token, v_head;
+  float scale, softcap;
+  int64_t window, chunk;
+};
+
+// The online softmax of one row and one KV head's query heads: running max, sum and unnormalised output.
+struct RowState {
+  float m[kMaxGroup];
+  float l[kMaxGroup];
+  alignas(64) float acc[kMaxGroup][kMaxHeadDim];
+
+  void reset(int64_t group, int64_t dim) {
+    for (int64_t g = 0; g < group; ++g) {
+      m[g] = -std::numeric_limits<float>::infinity();
+      l[g] = 0.0f;
+      std::fill(acc[g], acc[g] + dim, 0.0f);
+    }
+  }
+};
+
+// Lane t of the result: the sum of the lanes of acc[t] (kTile accumulators, one per token).
+inline void lane_sums(const vf* acc, float* out) {
+#if defined(__AVX512F__)
+  // A transposing add tree: 45 shuffles and adds for 16 sums, against ~8 per sum reduced one by one.
+  vf quads[4];
+  for (int q = 0; q < 4; ++q) {
+    const vf* a = acc + 4 * q;
+    vf s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    vf s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    quads[q] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  auto fold = [](vf x, vf y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  vstore(out, fold(fold(quads[0], quads[1]), fold(quads[2], quads[3])));
+#else
+  for (int t = 0; t < kTile; ++t) out[t] = vsum(acc[t]);
+#endif
+}
+
+inline vf dot_lanes(const float* q, const float* k, int64_t dim) {
+  vf acc = vzero();
+  for (int64_t d = 0; d < dim; d += W) acc = vfma(vload(q + d), vload(k + d), acc);
+  return acc;
+}
+
+#if defined(__AVX512BF16__)
+// Pairs of bf16 products summed into fp32 lanes: the keys are never widened.
+inline vf dot_lanes(const c10::BFloat16* q, const c10::BFloat16* k, int64_t dim) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 32 <= dim; d += 32) {
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+  }
+  if (d < dim) {  // head dims of 16 mod 32 (80, 48): the last 16 elements, the rest of the register zero
+    const __mmask32 half = 0xFFFFu;
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(half, q + d),
+                           (__m512bh)_mm512_maskz_loadu_epi16(half, k + d));
+  }
+  return acc;
+}
+#endif
+
+// Scores of `n` tokens from `k` against the row's query heads, into s[g][t] (scaled); `tile` is scratch.
+template <typename T>
+inline void score_tile(const Problem& p, const T* q, const float* qf, const T* k, int64_t n, float (*s)[kTile],
+                       float (*tile)[kMaxHeadDim]) {
+  const int64_t D = p.head_dim;
+  vf acc[kTile];
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t g = 0; g < p.group; ++g) {
+      for (int64_t t = 0; t < kTile; ++t) acc[t] = t < n ? dot_lanes(q + g * D, k + t * p.k_token, D) : vzero();
+      lane_sums(acc, s[g]);
+      for (int t0 = 0; t0 < kTile; t0 += W) vstore(s[g] + t0, vmul(vload(s[g] + t0), vset(p.scale)));
+    }
+    return;
+  }
+#endif
+  (void)q;
+  const float* rows[kTile];
+  for (int64_t t = 0; t < n; ++t) {
+    if constexpr (std::is_same_v<T, float>) {
+      rows[t] = k + t * p.k_token;
+    } else {  // widened once, then dotted with every query head from L1
+      for (int64_t d = 0; d < D; d += W) vstore(tile[t] + d, vload(k + t * p.k_token + d));
+      rows[t] = tile[t];
+    }
+  }
+  for (int64_t g = 0; g < p.group; ++g) {
+    for (int64_t t = 0; t < kTile; ++t) acc[t] = t < n ? dot_lanes(qf + g * D, rows[t], D) : vzero();
+    lane_sums(acc, s[g]);  // qf carries the scale
+  }
+}
+
+// One tile's scores s[0..kTile) (-inf beyond its n tokens) folded into the running max m and sum l: s becomes
+// the weights exp(s - m_new); returns the factor the accumulated values are rescaled by.
+inline float softmax_tile(float* s, int64_t n, float& m, float& l) {
+  float tile_max = s[0];
+  for (int64_t t = 1; t < n; ++t) tile_max = std::max(tile_max, s[t]);
+  const float m_new = std::max(m, tile_max);
+  const float alpha = std::exp(m - m_new);  // 0 on the first tile (m = -inf)
+  float sum = 0.0f;
+  for (int t0 = 0; t0 < kTile; t0 += W) {
+    vf e = vexp(vsub(vload(s + t0), vset(m_new)));
+    vstore(s + t0, e);
+    sum += vsum(e);
+  }
+  l = l * alpha + sum;
+  m = m_new;
+  return alpha;
+}
+
+// acc = alpha * acc + sum over t < n of p[t] * rows[t]. Four vectors of the head at a time: a single
+// accumulator would chain every token's FMA on the one before (latency-bound, ~3x slower).
+inline void accumulate_values(float* acc, float alpha, const float* p, const float* const* rows, int64_t n,
+                              int64_t dim) {
+  const vf va = vset(alpha);
+  int64_t d = 0;
+  for (; d + 4 * W <= dim; d += 4 * W) {
+    vf a0 = vmul(vload(acc + d), va), a1 = vmul(vload(acc + d + W), va);
+    vf a2 = vmul(vload(acc + d + 2 * W), va), a3 = vmul(vload(acc + d + 3 * W), va);
+    for (int64_t t = 0; t < n; ++t) {
+      const vf pt = vset(p[t]);
+      const float* r = rows[t] + d;
+      a0 = vfma(pt, vload(r), a0);
+      a1 = vfma(pt, vload(r + W), a1);
+      a2 = vfma(pt, vload(r + 2 * W), a2);
+      a3 = vfma(pt, vload(r + 3 * W), a3);
+    }
+    vstore(acc + d, a0);
+    vstore(acc + d + W, a1);
+    vstore(acc + d + 2 * W, a2);
+    vstore(acc + d + 3 * W, a3);
+  }
+  for (; d < dim; d += W) {
+    vf a = vmul(vload(acc + d), va);
+    for (int64_t t = 0; t < n; ++t) a = vfma(vset(p[t]), vload(rows[t] + d), a);
+    vstore(acc + d, a);
+  }
+}
+
+#if defined(__AVX512BF16__)
+constexpr int kChunks = kMaxHeadDim / 32;
+
+// bf16 values of `n` tokens as token pairs: pair j, 32-element chunk c -> (lo, hi) at pairs[(j * kChunks + c) * 2],
+// token 2j in the even 16-bit halves, 2j + 1 (or zero) in the odd ones. Each 128-bit lane L of lo holds
+// elements 8L..8L+3 of the chunk, of hi 8L+4..8L+7: accumulators keep that order until `unpermute`.
+inline void pair_values(const c10::BFloat16* v, int64_t token_stride, int64_t n, int64_t dim, __m512i* pairs) {
+  for (int64_t j = 0; 2 * j < n; ++j) {
+    const c10::BFloat16* a = v + 2 * j * token_stride;
+    const bool has_b = 2 * j + 1 < n;
+    for (int64_t c = 0, d = 0; d < dim; ++c, d += 32) {
+      const __mmask32 m = dim - d >= 32 ? 0xFFFFFFFFu : (1u << (dim - d)) - 1;  // a 16-element tail
+      const __m512i va = _mm512_maskz_loadu_epi16(m, a + d);
+      const __m512i vb = has_b ? _mm512_maskz_loadu_epi16(m, a + token_stride + d) : _mm512_setzero_si512();
+      pairs[(j * kChunks + c) * 2] = _mm512_unpacklo_epi16(va, vb);
+      pairs[(j * kChunks + c) * 2 + 1] = _mm512_unpackhi_epi16(va, vb);
+    }
+  }
+}
+
+// acc (permuted, chunks cs..cs+NC) = alpha * acc + sum over token pairs of (p[2j], p[2j+1]) . pair j: bf16
+// products summed in fp32, 2 * NC independent accumulators.
+template <int NC>
+inline void accumulate_pair_chunks(float* acc, vf va, const uint32_t* pp, int64_t npairs, const __m512i* pairs,
+                                   int64_t cs) {
+  vf a[2 * NC];
+  for (int i = 0; i < 2 * NC; ++i) a[i] = vmul(vload(acc + 32 * cs + 16 * i), va);
+  for (int64_t j = 0; j < npairs; ++j) {
+    const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[j]));
+    for (int i = 0; i < 2 * NC; ++i) a[i] = _mm512_dpbf16_ps(a[i], pj, (__m512bh)pairs[(j * kChunks + cs) * 2 + i]);
+  }
+  for (int i = 0; i < 2 * NC; ++i) vstore(acc + 32 * cs + 16 * i, a[i]);
+}
+
+// The weights p[0..kTile) (zero beyond the tile's tokens) as bf16 pairs, then acc += them . the value pairs.
+inline void accumulate_pairs(float* acc, float alpha, const float* p, const __m512i* pairs, int64_t n, int64_t dim) {
+  alignas(32) uint32_t pp[kTile / 2];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p)));
+  const vf va = vset(alpha);
+  const int64_t chunks = (dim + 31) / 32, npairs = (n + 1) / 2;
+  int64_t c = 0;
+  for (; c + 4 <= chunks; c += 4) accumulate_pair_chunks<4>(acc, va, pp, npairs, pairs, c);
+  switch (chunks - c) {
+    case 3: accumulate_pair_chunks<3>(acc, va, pp, npairs, pairs, c); break;
+    case 2: accumulate_pair_chunks<2>(acc, va, pp, npairs, pairs, c); break;
+    case 1: accumulate_pair_chunks<1>(acc, va, pp, npairs, pairs, c); break;
+    default: break;
+  }
+}
+
+// `accumulate_pairs`' order back to the head's: lane 4L+k of a chunk's lo is element 8L+k, of its hi 8L+4+k.
+inline void unpermute(float* acc, int64_t dim) {
+  float tmp[32];
+  for (int64_t d = 0; d < dim; d += 32) {
+    for (int i = 0; i < 16; ++i) {
+      tmp[8 * (i / 4) + i % 4] = acc[d + i];
+      tmp[8 * (i / 4) + 4 + i % 4] = acc[d + 16 + i];
+    }
+    std::copy(tmp, tmp + std::min<int64_t>(32, dim - d), acc + d);
+  }
+}
+#endif
+
+// Folds keys lo..hi (positions of the sequence) of one KV head into `st` for the query heads `q`/`qf`.
+template <typename T>
+void attend_range(const Problem& p, const int32_t* table, int64_t head, const T* q, const float* qf,
+                  int64_t lo, int64_t hi, RowState& st) {
+  const int64_t D = p.head_dim, G = p.group;
+  alignas(64) float s[kMaxGroup][kTile];
+  alignas(64) float tile[kTile][kMaxHeadDim];  // widened keys, then widened values
+#if defined(__AVX512BF16__)
+  __m512i pairs[kTile / 2 * kChunks * 2];
+#endif
+  const T* kc = static_cast<const T*>(p.k_cache);
+  const T* vc = static_cast<const T*>(p.v_cache);
+  for (int64_t pos = lo; pos < hi;) {
+    const int64_t block = table[pos / p.block_size], offset = pos % p.block_size;
+    const int64_t n = std::min({hi - pos, p.block_size - offset, static_cast<int64_t>(kTile)});
+    const T* k = kc + block * p.k_block + offset * p.k_token + head * p.k_head;
+    const T* v = vc + block * p.v_block + offset * p.v_token + head * p.v_head;
+    score_tile(p, q, qf, k, n, s, tile);
+    if (p.softcap > 0) {
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t t = 0; t < n; ++t) s[g][t] = p.softcap * std::tanh(s[g][t] / p.softcap);
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t t = n; t < kTile; ++t) s[g][t] = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      // bf16 values stay bf16: weights rounded to bf16 and multiplied two tokens at a time.
+      pair_values(v, p.v_token, n, D, pairs);
+      for (int64_t g = 0; g < G; ++g) {
+        const float alpha = softmax_tile(s[g], n, st.m[g], st.l[g]);
+        accumulate_pairs(st.acc[g], alpha, s[g], pairs, n, D);
+      }
+      pos += n;
+      continue;
+    }
+#endif
+    // Values widened once per tile (fp32 caches are read where they lie).
+    const float* vrow[kTile];
+    for (int64_t t = 0; t < n; ++t) {
+      const T* vtok = v + t * p.v_token;
+      if constexpr (std::is_same_v<T, float>) {
+        vrow[t] = vtok;
+      } else {
+        for (int64_t d = 0; d < D; d += W) vstore(tile[t] + d, vload(vtok + d));
+        vrow[t] = tile[t];
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float alpha = softmax_tile(s[g], n, st.m[g], st.l[g]);
+      accumulate_values(st.acc[g], alpha, s[g], vrow, n, D);
+    }
+    pos += n;
+  }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t g = 0; g < G; ++g) unpermute(st.acc[g], D);
+  }
+#endif
+}
+
+// First key position query position `i` may see (causal end is i itself).
+inline int64_t first_visible(const Problem& p, int64_t i) {
+  int64_t lo = 0;
+  if (p.window > 0) lo = std::max<int64_t>(0, i + 1 - p.window);
+  if (p.chunk > 0) lo = std::max(lo, i / p.chunk * p.chunk);
+  return lo;
+}
+
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n, float norm) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<T>(src[d] * norm);
+}
+
+// One sequence and KV head's share of keys lo..hi, for its rows (one per query token).
+struct Item {
+  int64_t seq, head, lo, hi, split, splits;
+  int64_t partial;  // offset of its partial results when splits > 1
+  int64_t cost;
+};
+
+template <typename T>
+void run_item(const Problem& p, const Item& it, float* partials) {
+  const int64_t D = p.head_dim, G = p.group;
+  const int64_t q_start = p.query_start_loc[it.seq], q_len = p.query_start_loc[it.seq + 1] - q_start;
+  const int64_t seq_len = p.seq_lens[it.seq];
+  const int32_t* table = p.block_tables + it.seq * p.table_stride;
+  RowState st;
+  alignas(64) float qf[kMaxGroup * kMaxHeadDim];
+  for (int64_t r = 0; r < q_len; ++r) {
+    const int64_t i = seq_len - q_len + r;
+    const int64_t token = q_start + r;
+    const T* q = static_cast<const T*>(p.query) + (token * p.kv_heads * G + it.head * G) * D;
+    for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(q[j]) * p.scale;
+    st.reset(G, (D + 31) / 32 * 32);  // `accumulate_pairs` works in whole 32-element chunks
+    const int64_t lo = std::max(first_visible(p, i), it.lo), hi = std::min(i + 1, it.hi);
+    if (lo < hi) attend_range(p, table, it.head, q, qf, lo, hi, st);
+    if (it.splits == 1) {
+      T* o = static_cast<T*>(p.out) + (token * p.kv_heads * G + it.head * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float total = st.l[g];
+        if (p.sinks) total += std::exp(p.sinks[it.head * G + g] - st.m[g]);
+        store_row(o + g * D, st.acc[g], D, 1.0f / total);
+      }
+    } else {
+      float* dst = partials + it.partial + r * G * (D + 2);
+      for (int64_t g = 0; g < G; ++g) {
+        dst[g * (D + 2)] = st.m[g];
+        dst[g * (D + 2) + 1] = st.l[g];
+        std::copy(st.acc[g], st.acc[g] + D, dst + g * (D + 2) + 2);
+      }
+    }
+  }
+}
+
+// The split items of one sequence and KV head (consecutive in `items`) merged into the output.
+template <typename T>
+void merge_splits(const Problem& p, const Item* first, const float* partials) {
+  const int64_t D = p.head_dim, G = p.group, splits = first->splits;
+  const int64_t q_start = p.query_start_loc[first->seq], q_len = p.query_start_loc[first->seq + 1] - q_start;
+  std::vector<float> acc(D);
+  for (int64_t r = 0; r < q_len; ++r) {
+    T* o = static_cast<T*>(p.out) + ((q_start + r) * p.kv_heads * G + first->head * G) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t k = 0; k < splits; ++k) m = std::max(m, partials[first[k].partial + r * G * (D + 2) + g * (D + 2)]);
+      float total = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t k = 0; k < splits; ++k) {
+        const float* part = partials + first[k].partial + r * G * (D + 2) + g * (D + 2);
+        if (part[1] == 0.0f) continue;  // a split holding none of this row's keys
+        const float w = std::exp(part[0] - m);
+        total += part[1] * w;
+        for (int64_t d = 0; d < D; ++d) acc[d] += part[2 + d] * w;
+      }
+      if (p.sinks) total += std::exp(p.sinks[first->head * G + g] - m);
+      store_row(o + g * D, acc.data(), D, 1.0f / total);
+    }
+  }
+}
+
+template <typename T>
+void run(const Problem& p, int64_t num_seqs, int64_t max_query_len) {
+  // Items of every sequence with 1..max_query_len query tokens; longer chunks are the caller's.
+  std::vector<int64_t> spans(num_seqs, 0), starts(num_seqs, 0);
+  int64_t total = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = p.query_start_loc[s + 1] - p.query_start_loc[s], seq_len = p.seq_lens[s];
+    if (seq_len <= 0 || q_len <= 0 || q_len > max_query_len) continue;
+    starts[s] = first_visible(p, seq_len - q_len);
+    spans[s] = seq_len - starts[s];
+    total += spans[s] * q_len * p.kv_heads;
+  }
+  // Enough items for every thread to take several, each long enough to pay for its merge.
+  const int64_t threads = at::get_num_threads();
+  const int64_t split_len = std::max(kMinSplit, (total + 4 * threads - 1) / (4 * threads));
+  std::vector<Item> items;
+  int64_t partial_floats = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (spans[s] == 0) continue;
+    const int64_t q_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
+    const int64_t splits = (spans[s] + split_len - 1) / split_len;
+    const int64_t step = (spans[s] + splits - 1) / splits;
+    for (int64_t h = 0; h < p.kv_heads; ++h) {
+      for (int64_t k = 0; k < splits; ++k) {
+        const int64_t lo = starts[s] + k * step, hi = std::min(starts[s] + spans[s], lo + step);
+        items.push_back({s, h, lo, hi, k, splits, partial_floats, (hi - lo) * q_len});
+        if (splits > 1) partial_floats += q_len * p.group * (p.head_dim + 2);
+      }
+    }
+  }
+  if (items.empty()) return;
+  std::vector<float> partials(partial_floats);
+  // Longest first, taken one at a time by whichever thread is free: ragged lengths stay balanced.
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
+  std::atomic<int64_t> next{0};
+  auto work = [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < static_cast<int64_t>(order.size()); i = next++) {
+      run_item<T>(p, items[order[i]], partials.data());
+    }
+  };
+  // A step this small is done before a parallel region would have started its threads.
+  const int64_t workers = total < kParallelMin ? 1 : std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
+  if (workers == 1) {
+    work(0, 1);
+  } else {
+    at::parallel_for(0, workers, 1, work);
+  }
+  std::vector<int64_t> merges;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (items[i].splits > 1 && items[i].split == 0) merges.push_back(static_cast<int64_t>(i));
+  }
+  at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) merge_splits<T>(p, &items[merges[i]], partials.data());
+  });
+}
+
+void paged_decode(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                  double scale, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks,
+                  int64_t attention_chunk, int64_t max_query_len) {
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache head vectors must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "query, caches and out must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
+              "metadata must be contiguous int32");
+  const int64_t D = query.size(2), kv_heads = k_cache.size(2);
+  TORCH_CHECK(query.size(1) % kv_heads == 0 && query.size(1) / kv_heads <= kMaxGroup, "unsupported GQA group");
+  TORCH_CHECK(D % W == 0 && D % 16 == 0 && D <= kMaxHeadDim, "unsupported head dim ", D);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == query.size(1),
+                "sinks must be contiguous float32 [num_q_heads]");
+  }
+  Problem p{query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+            sinks.has_value() ? sinks->data_ptr<float>() : nullptr,
+            block_tables.stride(0), k_cache.size(1), kv_heads, query.size(1) / kv_heads, D,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), static_cast<float>(scale), static_cast<float>(softcap), sliding_window,
+            attention_chunk};
+  const int64_t num_seqs = seq_lens.size(0);
+  switch (query.scalar_type()) {
+    case at::kFloat: run<float>(p, num_seqs, max_query_len); break;
+    case at::kBFloat16: run<c10::BFloat16>(p, num_seqs, max_query_len); break;
+    case at::kHalf: run<c10::Half>(p, num_seqs, max_query_len); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
+  }
+}
+
+}  // namespace
+
+#define FASTGEN_STR2(x) #x
+#define FASTGEN_STR(x) FASTGEN_STR2(x)
+#define FASTGEN_OP "paged_decode_" FASTGEN_STR(FASTGEN_ISA)
+
+TORCH_LIBRARY_FRAGMENT(fastgen, m) {
+  m.def(FASTGEN_OP
+        "(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale, int sliding_window, float softcap, Tensor? sinks, "
+        "int attention_chunk, int max_query_len) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fastgen, CPU, m) { m.impl(FASTGEN_OP, &paged_decode); }

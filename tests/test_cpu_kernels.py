@@ -1,0 +1,302 @@
+"""fastgen's C++ CPU kernels: paged decode attention against the float64 oracle, the ISA variants, the build
+cache, the fallback where nothing can be built, the op under torch.compile, and the plan that picks it.
+
+Every oracle test runs `fastgen::paged_attention_cpu` through the paged-attention harness (NaN-filled cache,
+shuffled blocks, block tables whose unused columns point at arbitrary blocks), with the torch path's decode
+rows disabled: a decode row the kernel did not attend fails the test instead of passing on the torch path.
+The kernel is built once per ISA variant into the user's fastgen cache and reused by later sessions.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fastgen
+
+from fastgen.ops import write_kv_cache
+from fastgen.ops.cpu_kernels import (ENV_VAR, build_dir, cpu_kernel_isa, load_paged_decode, pick_isa, requested_isa,
+                                     supported_isas)
+from fastgen.planning.hardware import Hardware
+from fastgen.planning.model_facts import model_facts
+from fastgen.planning.policy import make_plan
+from attention_oracle import paged_attention_oracle
+from kit import build_checkpoint
+from test_paged_attention import _Harness, _run_batch, _Seq  # the harness every paged-attention op is checked by
+
+CPU_OP = torch.ops.fastgen.paged_attention_cpu
+# The module, not the op `fastgen.ops` exports under the same name.
+paged_attention_module = importlib.import_module("fastgen.ops.paged_attention")
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def kernel_isa() -> str:
+    """The variant this machine runs, built (or found in the cache); the module is skipped where none can be."""
+    isa = pick_isa(supported_isas(), "auto")
+    if isa is None:
+        pytest.skip("this CPU has no AVX2: no C++ CPU kernel variant runs here")
+    if load_paged_decode(isa) is None:
+        pytest.skip("the C++ CPU kernels could not be built here (see the log line)")
+    return isa
+
+
+@pytest.fixture
+def kernel_only(kernel_isa, monkeypatch) -> str:
+    """The op's decode rows on the kernel alone: the torch path's decode attention raises if reached."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a decode row reached the torch path")
+
+    monkeypatch.setattr(paged_attention_module, "attend_decode_rows", refuse)
+    return kernel_isa
+
+
+def _decode(h: _Harness, lengths: list[int], op=CPU_OP, pad_tokens: int = 1, pad_rows: int = 1) -> None:
+    """One decode step of sequences that end up `lengths` tokens long, checked against the oracle. The K/V
+    of their earlier tokens are written straight into the cache: the oracle's Python loops over long
+    prompts would cost seconds."""
+    seqs = [_Seq() for _ in lengths]
+    context = [(s, n - 1) for s, n in zip(seqs, lengths) if n > 1]
+    if context:
+        _, key, value, k_cache, v_cache, slot_mapping = h.step_args(context)[:6]
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    h.step([(s, 1) for s in seqs], pad_tokens=pad_tokens, pad_rows=pad_rows, op=op)
+
+
+def _lengths(block_size: int, seed: int, count: int = 5) -> list[int]:
+    """`count` ragged lengths up to three blocks and a bit, plus 1 and exactly two blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    return [1, 2 * block_size] + torch.randint(1, 3 * block_size + 3, (count,), generator=gen).tolist()
+
+
+HEAD_DIMS = [64, 80, 96, 128, 256]
+GQA = [(4, 4), (4, 2), (8, 2), (8, 1)]  # (query heads, KV heads): ratios 1, 2, 4, 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_decode_matches_oracle_across_head_dims_and_gqa(kernel_only, head_dim, dtype):
+    for i, (q_heads, kv_heads) in enumerate(GQA):
+        block_size = (3, 16, 5, 32)[i]
+        h = _Harness(block_size=block_size, num_q_heads=q_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                     dtype=dtype, seed=head_dim + i)
+        _decode(h, _lengths(block_size, seed=head_dim + 7 * i), pad_tokens=2)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 7, 16, 64])
+def test_ragged_lengths_at_block_boundaries(kernel_only, block_size):
+    """Lengths 1, a block less one, a block, a block and one, two blocks: every boundary case of the walk."""
+    h = _Harness(block_size=block_size, num_q_heads=6, num_kv_heads=2, head_dim=64, seed=block_size, num_blocks=96)
+    _decode(h, sorted({1, max(1, block_size - 1), block_size, block_size + 1, 2 * block_size}), pad_rows=2)
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("flags", [dict(window=5), dict(softcap=5.0), dict(sinks=True), dict(chunk=6),
+                                   dict(window=7, softcap=2.0, sinks=True)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flags_match_oracle(kernel_only, dtype, flags, kind):
+    """Sliding window, logit soft-cap, attention sinks and chunked attention: the kernel's own flags."""
+    h = _Harness(block_size=4, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seed=len(flags), **flags)
+    if kind == "decode":
+        _decode(h, _lengths(4, seed=len(str(flags)), count=8))
+    else:  # decode rows on the kernel beside prompt chunks on the torch path, in one call
+        _run_batch(h, kind, seed=len(str(flags)), pad_tokens=2, pad_rows=1, op=CPU_OP)
+
+
+def test_float16_cache(kernel_only):
+    h = _Harness(block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, seed=5)
+    _decode(h, _lengths(8, seed=5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("flags", [dict(), dict(window=700, sinks=True)], ids=str)
+def test_long_rows_split_over_threads(kernel_only, dtype, flags):
+    """Few rows of long contexts: each row's keys split over several work items, merged by log-sum-exp."""
+    h = _Harness(block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype, num_blocks=200, seed=9,
+                 **flags)
+    _decode(h, [1501, 41])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("flags", [dict(), dict(window=6, sinks=True), dict(chunk=8, softcap=3.0)], ids=str)
+def test_multi_row_queries_through_the_kernel(kernel_isa, dtype, flags):
+    """The kernel's own op with `max_query_len` above 1 attends prompt chunks too (each row at its causal
+    offset); rows of longer chunks are left untouched (zero here)."""
+    h = _Harness(block_size=4, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seed=8, num_blocks=96,
+                 **flags)
+    seqs = [_Seq() for _ in range(5)]
+    h.step([(s, n) for s, n in zip(seqs, [3, 9, 1, 17, 6])], op=CPU_OP)
+    chunks = [(seqs[0], 5), (seqs[1], 1), (seqs[2], 12), (seqs[3], 2), (seqs[4], 7)]
+    args = h.step_args(chunks, pad_tokens=1, pad_rows=1)
+    expected = paged_attention_oracle(*args)[0]
+    query, key, value, k_cache, v_cache, slot_mapping, tables, seq_lens, starts, scale = args[:10]
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    out = torch.zeros_like(query)
+    sinks = None if h.sinks is None else h.sinks.float()
+    load_paged_decode(kernel_isa)(out, query, k_cache, v_cache, tables, seq_lens, starts, scale, h.window, h.softcap,
+                                  sinks, h.chunk, 8)
+    served = torch.zeros(query.shape[0], dtype=torch.bool)
+    bounds = starts.tolist()
+    for s, (_, n) in enumerate(chunks):
+        served[bounds[s]:bounds[s + 1]] = n <= 8
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(out[served].double(), expected[served], **tol)
+    assert torch.count_nonzero(out[~served]) == 0
+
+
+@pytest.mark.parametrize("isa", ["avx512_bf16", "avx512", "avx2"])
+def test_forced_isa_variants(kernel_isa, isa, monkeypatch):
+    """`FASTGEN_CPU_KERNELS` caps the variant; each variant this CPU runs matches the oracle in fp32 and bf16."""
+    if isa not in supported_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    monkeypatch.setenv(ENV_VAR, isa)
+    assert cpu_kernel_isa() == isa
+    assert load_paged_decode(isa) is not None
+    monkeypatch.setattr(paged_attention_module, "attend_decode_rows", None)  # a decode row on torch would fail
+    for dtype in (torch.float32, torch.bfloat16):
+        h = _Harness(block_size=16, num_q_heads=9, num_kv_heads=3, head_dim=80, dtype=dtype, seed=2)
+        _decode(h, _lengths(16, seed=4))
+
+
+def test_kernels_off_take_the_torch_path(kernel_isa, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "off")
+    assert cpu_kernel_isa() is None
+    calls = []
+    real = paged_attention_module.attend_decode_rows
+    monkeypatch.setattr(paged_attention_module, "attend_decode_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=64, seed=1)
+    _decode(h, _lengths(4, seed=1))
+    assert calls
+
+
+def test_unserved_shapes_take_the_torch_path(kernel_isa):
+    """A head dim the kernel does not take (not a multiple of 16) is answered by the torch path."""
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=24, seed=3)
+    _decode(h, _lengths(4, seed=3))
+
+
+def test_bad_isa_request_names_the_choices(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "amx")
+    with pytest.raises(ValueError, match="avx512_bf16"):
+        requested_isa()
+
+
+def test_pick_isa_caps_and_falls_back():
+    both = ("avx512_bf16", "avx512", "avx2")
+    assert pick_isa(both, "auto") == "avx512_bf16" and pick_isa(both, "avx512") == "avx512"
+    assert pick_isa(("avx2",), "avx512_bf16") == "avx2" and pick_isa(both, "off") is None and pick_isa((), "auto") is None
+
+
+def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter that imports fastgen from wherever this one does."""
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+_DECODE_TWICE = """
+    import sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    from test_paged_attention import _Harness, _run_batch
+    for seed in (1, 2):  # two calls: the build is tried (and logged) once
+        h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, seed=seed)
+        _run_batch(h, "decode", seed=seed, op=torch.ops.fastgen.paged_attention_cpu)
+    print("ok")
+"""
+
+
+def test_no_compiler_falls_back_with_one_log_line(tmp_path):
+    """A compiler that is not there: results from the torch path, still checked against the oracle, and one
+    warning naming the fallback."""
+    done = _run_python(_DECODE_TWICE.format(tests=os.path.dirname(__file__)), CXX=str(tmp_path / "no-such-c++"),
+                       FASTGEN_CACHE=str(tmp_path / "cache"))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert done.stderr.count("attention stays on the torch path") == 1, done.stderr[-2000:]
+
+
+def test_second_process_reuses_the_build(kernel_isa):
+    """A later process loads the cached library: nothing under the build directory is rewritten."""
+    directory = build_dir(kernel_isa)
+    library = os.path.join(directory, f"fastgen_cpu_kernels_{kernel_isa}.so")
+    before = os.stat(library).st_mtime_ns
+    done = _run_python(_DECODE_TWICE.format(tests=os.path.dirname(__file__)))
+    assert done.returncode == 0 and "unavailable" not in done.stderr, done.stderr[-2000:]
+    assert os.stat(library).st_mtime_ns == before
+
+
+def test_op_is_one_opaque_node_under_compile(kernel_only):
+    """torch.compile(fullgraph=True) keeps the op as one node (its fake gives the shape), and the compiled
+    call matches the oracle like the eager one."""
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(backend=backend, fullgraph=True, dynamic=False)
+    def compiled(*args):
+        return CPU_OP(*args)
+
+    h = _Harness(block_size=8, num_q_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16, seed=6)
+    _decode(h, _lengths(8, seed=6), op=compiled)
+    calls = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert len(graphs) == 1 and calls in ([CPU_OP], [CPU_OP.default])
+
+
+def test_pipeline_on_the_cpu_backend_equals_the_torch_path(kernel_isa, tmp_path, monkeypatch):
+    """The engine with attention_backend="cpu" gives the torch path's tokens, every decode row on the kernel."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    path = build_checkpoint(str(tmp_path / "llama"), "llama")
+    small = dict(num_kv_blocks=16, block_size=8, token_budget=16, max_seqs=4, progress=False)
+    texts = ["The quick brown fox", "def f(x): return x", "one two"]
+    results = {}
+    for backend in ("torch", "cpu"):
+        if backend == "cpu":
+            monkeypatch.setattr(paged_attention_module, "attend_decode_rows", None)  # a decode row on torch fails
+        with fastgen.pipeline(path, attention_backend=backend, **small) as pipe:
+            assert pipe.engine.runner.attention_backend == backend
+            results[backend] = [r.token_ids for r in pipe(texts, max_new_tokens=6, do_sample=False)]
+    assert results["cpu"] == results["torch"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_facts(tmp_path_factory):
+    """SmolLM2-135M's shape (9 query heads, 3 KV heads of 64), from its config alone."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("smollm2")
+    transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                             tie_word_embeddings=True, dtype="bfloat16").save_pretrained(path)
+    return model_facts(str(path))
+
+
+def _epyc(compiler: str) -> Hardware:
+    return Hardware("cpu", 2, frozenset({"avx2", "avx512f", "avx512_bf16"}), "AVX512", 24 * GIB,
+                    cpp_compiler=compiler)
+
+
+def test_plan_names_the_kernel_and_its_isa(smollm2_facts, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    plan = make_plan(smollm2_facts, _epyc("/usr/bin/c++"))
+    reason = plan.reasons["attention_backend"]
+    assert plan.attention_backend == "cpu" and "avx512_bf16" in reason and "/usr/bin/c++" in reason
+    monkeypatch.setenv(ENV_VAR, "avx2")
+    capped = make_plan(smollm2_facts, _epyc("/usr/bin/c++"))
+    assert capped.attention_backend == "cpu" and f"avx2 variant, capped by {ENV_VAR}=avx2" in capped.reasons[
+        "attention_backend"]
+    monkeypatch.setenv(ENV_VAR, "off")
+    off = make_plan(smollm2_facts, _epyc("/usr/bin/c++"))
+    assert off.attention_backend == "torch" and f"{ENV_VAR}=off" in off.reasons["attention_backend"]
+    monkeypatch.delenv(ENV_VAR)
+    none = make_plan(smollm2_facts, _epyc(""))
+    assert none.attention_backend == "torch" and "no C++ compiler" in none.reasons["attention_backend"]
