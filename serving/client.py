@@ -24,8 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastgen.api import normalise_prompts, split_mii_stream
-from fastgen.engine import merge_deltas
-from fastgen.engine.lora_manager import UnknownLoRAError
+from fastgen.engine import UnknownLoRAError, merge_deltas
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.deploy import registry

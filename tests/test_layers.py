@@ -44,8 +44,9 @@ ALLOWED = [
     ("fastgen.serving.backend", [*PUBLIC]),
     ("fastgen.serving.grpc", ["fastgen.serving.limits", "fastgen.serving.admission", "fastgen.serving.backend",
                               *PUBLIC]),
+    ("fastgen.serving.lora", [*PUBLIC]),
     ("fastgen.serving.http", ["fastgen.serving.limits", "fastgen.serving.admission", "fastgen.serving.metrics",
-                              "fastgen.serving.backend", *PUBLIC]),
+                              "fastgen.serving.backend", "fastgen.serving.lora", *PUBLIC]),
     # Chat completions' messages, tools, tool-call and reasoning parsers and reply shaping sit under the
     # routes: they raise the guard's 400s and know nothing of the routes, the gateway or the engine.
     ("fastgen.serving.http.chat", ["fastgen.serving.http.guard"]),

@@ -31,8 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fastgen.api import normalise_prompts, split_mii_stream
-from fastgen.engine import RequestGroup, TensorParallelError, submit_group
-from fastgen.engine.lora_manager import UnknownLoRAError
+from fastgen.engine import RequestGroup, TensorParallelError, UnknownLoRAError, submit_group
 from fastgen.outputs import Response
 from fastgen.sampling_params import FieldTypeError, FieldValueError, SamplingParams
 from fastgen.serving.backend import Backend, BackendUnavailable

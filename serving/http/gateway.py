@@ -18,8 +18,8 @@ from typing import Any
 
 from fastapi import Request
 
-from fastgen.engine import Member, RequestFailed, RequestGroup, Sink, full_text_prefix, max_prompt_chars, merge_deltas
-from fastgen.engine.lora_manager import UnknownLoRAError
+from fastgen.engine import (Member, RequestFailed, RequestGroup, Sink, UnknownLoRAError, full_text_prefix,
+                            max_prompt_chars, merge_deltas)
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.admission import Draining, Overloaded, PendingBudget, shared_budget

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from fastgen.engine.lora_manager import UnknownLoRAError
+from fastgen.engine import UnknownLoRAError
 from fastgen.serving.http.guard import ApiError, Offload, read_json_object
 from fastgen.serving.lora import LoRAStateError, ServedAdapters
 
