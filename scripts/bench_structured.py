@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import sys
 import time
@@ -126,6 +127,7 @@ def main() -> None:
     result = {
         "model": engine.model_dir, "backend": args.backend, "requests": args.requests, "rounds": rounds,
         "ratio_mean": sum(r["ratio"] for r in rounds) / len(rounds),
+        "ratio_median": statistics.median(r["ratio"] for r in rounds),
         "valid_json": f"{sum(r['valid_json'] for r in rounds)}/{args.requests * len(rounds)}",
         "compile_cold_ms": 1e3 * cold, "compile_cached_ms": 1e3 * cached,
     }

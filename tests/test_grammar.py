@@ -15,7 +15,6 @@ import torch
 
 from fastgen.engine.grammar import (GrammarCompileError, GrammarCompiler, GrammarRejected, SequenceGrammar,
                                     allocate_bitmask, apply_bitmask_, make_backend)
-from fastgen.engine.grammar import bitmask as bitmask_module
 from fastgen.engine.step.sampler import Sampler
 from fastgen.engine.step.sampling_metadata import SamplingMetadata
 from fastgen.sampling_params import FieldValueError, SamplingParams
@@ -275,15 +274,24 @@ def test_overlong_compile_fails_clearly_and_failures_are_retried():
 
 # The mask in the sampler ----------------------------------------------------------------------
 
-def test_apply_bitmask_fallback_matches_xgrammar(monkeypatch):
+@pytest.mark.parametrize("rows", [None, [0, 2]])
+def test_apply_bitmask_matches_xgrammars_kernel(rows):
+    """Our table lookup against xgrammar's own CPU kernel, on a vocabulary that is not a multiple of
+    32 (the last word's spare bits are ignored) and scores that are already infinite."""
+    xgrammar = pytest.importorskip("xgrammar")
     generator = torch.Generator().manual_seed(0)
-    mask = torch.randint(-2**31, 2**31 - 1, (4, (VOCAB + 31) // 32), dtype=torch.int32, generator=generator)
-    scores = torch.randn(4, VOCAB, generator=generator)
-    fast = apply_bitmask_(scores.clone(), mask, [0, 2])
-    monkeypatch.setattr(bitmask_module, "installed", lambda name: False)
-    slow = apply_bitmask_(scores.clone(), mask, [0, 2])
-    assert torch.equal(fast, slow)
-    assert torch.equal(fast[1], scores[1]) and torch.isinf(fast[0]).any()
+    vocab = VOCAB - 5
+    mask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), dtype=torch.int32, generator=generator)
+    scores = torch.randn(4, vocab, generator=generator)
+    scores[1, :3] = float("-inf")
+    scores[3, 7] = float("inf")
+    ours = apply_bitmask_(scores.clone(), mask, rows)
+    theirs = scores.clone()
+    xgrammar.apply_token_bitmask_inplace(theirs, mask, indices=rows)
+    assert torch.equal(ours, theirs)
+    if rows is not None:
+        assert torch.equal(ours[1], scores[1])
+    assert torch.isinf(ours[0]).sum() > vocab // 4
 
 
 def test_sampler_masks_after_bias_and_before_top_p():

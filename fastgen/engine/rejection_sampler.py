@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fastgen.engine.step.sampler import Sampler, _first_argmax
+from fastgen.engine.step.sampler import Sampler, _first_argmax, exponential_noise
 from fastgen.engine.step.sampling_metadata import SamplingMetadata
 
 
@@ -116,7 +116,9 @@ class RejectionSampler:
                 # p == q leaves nothing: then the draft was accepted with probability 1, never rejected.
                 residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, dist)
                 dist = torch.where(rejected.unsqueeze(1), residual, dist)
-            sampled = _first_argmax(dist.div_(self._noise(dist, generators, metadata, starts)))
+            noise = exponential_noise(dist, metadata.any_unseeded,
+                                      ((row, g) for row, g in enumerate(generators) if g is not None))
+            sampled = _first_argmax(dist.div_(noise))
             final = torch.where(greedy_rows, final, sampled)
 
         out = torch.zeros(num_rows, k_max + 1, dtype=torch.int64, device=device)
@@ -146,20 +148,6 @@ class RejectionSampler:
                 uniform[offset:offset + k] = torch.rand(k, device=device, generator=generator)
             offset += k
         return uniform
-
-    @staticmethod
-    def _noise(dist: Tensor, generators: list[torch.Generator | None], metadata: SamplingMetadata,
-               starts: list[int]) -> Tensor:
-        """Exponential(1) noise for the race `argmax(probs / noise)` (as `Sampler` draws), per row."""
-        noise = torch.empty_like(dist)
-        if metadata.any_unseeded:
-            noise.exponential_()
-        else:
-            noise.fill_(1.0)
-        for row, generator in enumerate(generators):
-            if generator is not None:
-                noise[row].exponential_(generator=generator)
-        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
     @staticmethod
     def _logprobs(logits: Tensor, metadata: SamplingMetadata, out: Tensor, row_start: Tensor,

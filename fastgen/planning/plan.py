@@ -204,7 +204,7 @@ class Plan:
         parse_speculative_config, check_speculative_config)
     structured_outputs_backend: str = plan_field(
         'the grammar library behind structured outputs and tool calling: "xgrammar" (grammars precompiled to '
-        'per-state token masks, CPU and CUDA bitmask kernels) or "llguidance" (masks computed per step, no '
+        'per-state token masks, a CUDA bitmask kernel) or "llguidance" (masks computed per step, no '
         "precompile; also takes whitespace_pattern)", "str | None", str, _check_choice(STRUCTURED_OUTPUTS_BACKENDS))
     enable_lora: bool = plan_field(
         "serve LoRA adapters (PEFT format) beside the base model: each adaptable linear of the decoder layers gets "

@@ -18,23 +18,32 @@ def apply_bitmask_(scores: Tensor, bitmask: Tensor, rows: list[int] | None = Non
     """Set `scores[r, t]` to -inf where bit t of `bitmask[r]` is clear, for `rows` (None: all); in
     place, returns `scores`.
 
-    xgrammar's kernels do it when xgrammar is installed (whichever backend filled the mask: the layout
-    is the same); they run ~10-25x faster than tensor ops on the CPU (16 x 49152 fp32: ~4 against
-    ~60 ms, 2 cores) and have a CUDA kernel. Without xgrammar, plain tensor ops on any device.
+    On a GPU with xgrammar installed, xgrammar's CUDA kernel (whichever backend filled the mask: the
+    layout is the same). Elsewhere tensor ops: each mask byte looks up its 8 scores' caps (+inf or
+    -inf) in a 256-row table, and each score becomes the lesser of itself and its cap. On the CPU
+    that is ~5x faster than xgrammar's scalar CPU kernel ([16, 49152] fp32: 0.3 against 1.6 ms,
+    2 cores), and far faster than unpacking the bits with shifts (~60 ms).
     """
     num_rows, vocab = scores.shape
     if bitmask.shape[0] != num_rows or bitmask.shape[1] * 32 < vocab:
         raise ValueError(f"bitmask {tuple(bitmask.shape)} does not cover scores {tuple(scores.shape)}")
-    if installed("xgrammar") and scores.dtype == torch.float32:
+    if scores.device.type == "cuda" and installed("xgrammar") and scores.dtype == torch.float32:
         import xgrammar
 
         xgrammar.apply_token_bitmask_inplace(scores, bitmask.to(scores.device, non_blocking=True), indices=rows)
         return scores
-    selected = scores if rows is None else scores[rows]
-    words = bitmask.to(scores.device) if rows is None else bitmask[rows].to(scores.device)
-    shifts = torch.arange(32, device=scores.device, dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :vocab]
-    selected.masked_fill_(allowed == 0, float("-inf"))
-    if rows is not None:
-        scores[rows] = selected
+    words = bitmask if rows is None else bitmask[rows]
+    # int32 words are little-endian in memory on every platform torch runs on: byte k holds bits 8k..8k+7.
+    table = _byte_caps(scores.dtype, scores.device)
+    caps = table.index_select(0, words.to(scores.device).view(torch.uint8).view(-1).int())  # 5x faster than table[...]
+    caps = caps.view(words.shape[0], -1)[:, :vocab]
+    if rows is None:
+        return torch.minimum(scores, caps, out=scores)
+    scores[rows] = torch.minimum(scores[rows], caps)
     return scores
+
+
+def _byte_caps(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """[256, 8]: row b holds +inf where bit j of byte b is set, else -inf (a few KB, built per call)."""
+    bits = (torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1
+    return torch.full((256, 8), float("inf"), dtype=dtype, device=device).masked_fill_(bits == 0, float("-inf"))

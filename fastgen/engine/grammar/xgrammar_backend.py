@@ -14,7 +14,7 @@ from fastgen.structured_outputs import StructuredOutputsParams
 
 
 _LENGTH_BOUNDED_CHAR = r'[^\"\\\r\n]'
-"""The character class xgrammar 0.2.8 gives strings with minLength/maxLength: it lets raw control
+"""The character class xgrammar 0.2.8 and 0.2.9 give strings with minLength/maxLength: it lets raw control
 characters (U+0000-U+001F but CR and LF) into the string, which JSON forbids, so outputs failed to
 parse (a tab or \x01 inside a bounded string, seen on the test tokenizer)."""
 

@@ -11,6 +11,7 @@ without `torch.multinomial`'s sync. Greedy rows take the argmax of the penalised
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -148,18 +149,29 @@ class Sampler:
     @staticmethod
     def _sample(scores: Tensor, metadata: SamplingMetadata) -> Tensor:
         probs = scores.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        if metadata.any_unseeded:
-            noise.exponential_()
-        else:
-            noise.fill_(1.0)
-        # Per-row draws keep a seeded row's noise independent of the batch; each is a kernel
-        # launch, not a sync.
-        for row, generator in zip(metadata.seeded_rows, metadata.seeded_generators):
-            noise[row].exponential_(generator=generator)
-        # A zero draw would turn a zero-probability token into 0/0 = nan, which argmax picks.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        noise = exponential_noise(probs, metadata.any_unseeded,
+                                  zip(metadata.seeded_rows, metadata.seeded_generators))
         return _first_argmax(probs.div_(noise))
+
+
+def exponential_noise(like: Tensor, unseeded: bool, seeded: Iterable[tuple[int, torch.Generator]]) -> Tensor:
+    """Exponential(1) draws shaped like `like` [R, V] for the race `argmax(probs / noise)`: every row
+    from the global generator when `unseeded` (else a constant), then row r from its own generator for each
+    (r, generator) of `seeded`, so a seeded row's draws do not depend on its batch.
+
+    Drawn as -log(U), U ~ U[0, 1): on the CPU ~5x faster than `Tensor.exponential_`, whose loop is
+    scalar ([16, 49152] fp32: 2.9 against 15 ms, 2 cores: a quarter of a 135M model's sampled step).
+    Always at least fp32, as a bf16 U would cut the draws to 256 levels."""
+    noise = torch.empty(like.shape, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
+    if unseeded:
+        noise.uniform_()
+    else:
+        noise.fill_(0.5)  # any value: the rows that keep it are greedy or overwritten below
+    for row, generator in seeded:  # each a kernel launch, not a sync
+        noise[row].uniform_(generator=generator)
+    # -log(0) = inf only drops a token from the race; a draw at 1 (some devices' rounding) would
+    # give 0 and 0/0 = nan for a zero-probability token, which argmax picks.
+    return noise.log_().neg_().clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
 def _edits_scores(metadata: SamplingMetadata) -> bool:
