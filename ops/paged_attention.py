@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from fastgen.ops.cpu_kernels.decode import cpu_decode_rows
+from fastgen.ops.cpu_kernels.decode import MAX_QUERY_LEN, cpu_decode_rows
 from fastgen.ops.decode_attention import attend_decode_rows
 from fastgen.ops.kv_cache import gather_blocks, kv_slots, write_kv_cache
 from fastgen.ops.triton_attention import triton_paged_attention
@@ -139,8 +139,9 @@ def torch_paged_attention(
     many from position 0, and a query sees only the earlier keys of its own chunk (0 = no chunks).
     Returns `[T, num_q_heads, head_dim]`, zeros for padded tokens. `step_plans`
     (`AttentionMetadata.step_plans`): what the first layer of a step works out from the metadata,
-    kept for the other layers; None works it out for this call only. `kernels`: the one-token rows go
-    to the C++ CPU kernel where it serves the call (`cpu_paged_attention`).
+    kept for the other layers; None works it out for this call only. `kernels`: the rows of sequences
+    with at most `MAX_QUERY_LEN` query tokens go to the C++ CPU kernel where it serves the call
+    (`cpu_paged_attention`).
     """
     # The CPU flash kernel reads each head's vector as if its elements were adjacent, whatever the
     # strides say (torch 2.13: a query with a last-dim stride of 2 gave wrong outputs, no error). The C++
@@ -165,11 +166,18 @@ def torch_paged_attention(
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plans["slots"])
     out = torch.zeros_like(query)
     block_size = k_cache.shape[1]
-    if single and not (kernels and cpu_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                   scale, sliding_window, softcap, sinks, attention_chunk, out)):
-        attend_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, single, [starts[s] for s in single],
-                           scale, sliding_window, softcap, out, plans, sinks, attention_chunk)
+    kernel_query_len = MAX_QUERY_LEN if kernels else 0
+    short = single or any(q_end - q_start <= kernel_query_len for _, q_start, q_end, _ in chunks)
+    if not (short and kernels and cpu_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                  scale, sliding_window, softcap, sinks, attention_chunk, out,
+                                                  kernel_query_len)):
+        kernel_query_len = 0
+        if single:
+            attend_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, single, [starts[s] for s in single],
+                               scale, sliding_window, softcap, out, plans, sinks, attention_chunk)
     for s, q_start, q_end, seq_len in chunks:
+        if q_end - q_start <= kernel_query_len:
+            continue  # attended by the kernel above
         # With chunked attention no query of this step sees a key before its first query's chunk: the
         # keys start there, a chunk start, so the mask's chunks (counted from key 0) stay the real ones.
         first = (seq_len - (q_end - q_start)) // attention_chunk * attention_chunk if attention_chunk > 0 else 0
@@ -189,9 +197,10 @@ def torch_paged_attention(
 
 
 def cpu_paged_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """`torch_paged_attention` with `kernels=True` (the backend "cpu"): every one-token row of the step
-    attended by fastgen's C++ CPU kernel in one call (`fastgen.ops.cpu_kernels`); prompt chunks, and every row
-    where the kernel is off, unbuilt or does not take the call's shapes, stay on the torch path."""
+    """`torch_paged_attention` with `kernels=True` (the backend "cpu"): the rows of every sequence with at
+    most `MAX_QUERY_LEN` query tokens (decode rows, speculative verification rows, short prompt chunks)
+    attended by fastgen's C++ CPU kernel in one call (`fastgen.ops.cpu_kernels`); longer prompt chunks, and
+    every row where the kernel is off, unbuilt or does not take the call's shapes, stay on the torch path."""
     return torch_paged_attention(*args, **kwargs, kernels=True)
 
 

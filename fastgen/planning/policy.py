@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from fastgen.models.quant import DEFAULT_GROUP_SIZE
-from fastgen.ops.cpu_kernels import ENV_VAR, ISA_NOTES, build_dir, isas_from_flags, pick_isa, requested_isa
+from fastgen.ops.cpu_kernels import ENV_VAR, ISA_NOTES, MAX_QUERY_LEN, build_dir, isas_from_flags, pick_isa, requested_isa
 from fastgen.ops.packed_linear import PREPACK_DTYPES, prepack_available
 from fastgen.planning.hardware import Hardware, detect_hardware
 from fastgen.planning.lora_plan import choose_lora, without_graphs_for_lora
@@ -350,8 +350,9 @@ def _choose_cpu_attention(hw: Hardware) -> tuple[str, str]:
     if not hw.cpp_compiler:
         return "torch", "no C++ compiler ($CXX, else c++) to build fastgen's CPU kernels at first use"
     capped = f", capped by {ENV_VAR}={requested}" if requested != "auto" else ""
-    return "cpu", (f"C++ paged decode attention, {isa} variant{capped}: {ISA_NOTES[isa]}; all decode rows of a "
-                   f"step in one call, KV blocks read in place (prompt chunks: torch's flash kernel); built by "
+    return "cpu", (f"C++ paged decode attention, {isa} variant{capped}: {ISA_NOTES[isa]}; decode rows, "
+                   f"verification rows and prompt chunks of up to {MAX_QUERY_LEN} tokens in one call, KV blocks "
+                   f"read in place (longer prompt chunks: torch's flash kernel); built by "
                    f"{hw.cpp_compiler} at first use into {build_dir(isa)}")
 
 

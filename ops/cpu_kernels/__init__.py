@@ -1,11 +1,12 @@
 """fastgen's own C++ CPU kernels: compiled at first use by torch's extension toolchain, cached under
 `$FASTGEN_CACHE`, one build per ISA variant picked at run time (`isa`), and the torch path wherever they
-cannot run. Today: paged decode attention over the blocked KV cache (`decode`, `paged_decode.cpp`)."""
+cannot run. Today: paged attention of short queries (decode rows, verification rows) over the blocked
+KV cache (`decode`, `paged_decode.cpp`)."""
 
 from fastgen.ops.cpu_kernels.build import build_dir, load_paged_decode
-from fastgen.ops.cpu_kernels.decode import cpu_decode_rows, kernel_serves
+from fastgen.ops.cpu_kernels.decode import MAX_QUERY_LEN, cpu_decode_rows, kernel_serves
 from fastgen.ops.cpu_kernels.isa import (ENV_VAR, ISA_NOTES, ISAS, cpu_kernel_isa, isas_from_flags, pick_isa,
                                          requested_isa, supported_isas)
 
-__all__ = ["ENV_VAR", "ISAS", "ISA_NOTES", "build_dir", "cpu_decode_rows", "cpu_kernel_isa", "isas_from_flags", "kernel_serves",
+__all__ = ["ENV_VAR", "ISAS", "ISA_NOTES", "MAX_QUERY_LEN", "build_dir", "cpu_decode_rows", "cpu_kernel_isa", "isas_from_flags", "kernel_serves",
            "load_paged_decode", "pick_isa", "requested_isa", "supported_isas"]

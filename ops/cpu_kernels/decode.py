@@ -1,4 +1,5 @@
-"""The one-token rows of a paged-attention step on the C++ CPU kernel, or nothing where it cannot serve them."""
+"""The short-query rows of a paged-attention step (decode rows, speculative verification rows, short prompt
+chunks) on the C++ CPU kernel, or nothing where it cannot serve them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 MAX_GROUP = 16
 """Most query heads per KV head the kernel takes (`kMaxGroup`)."""
+
+MAX_QUERY_LEN = 16
+"""Longest query (one sequence's tokens in a step) sent to the kernel: a decode row, a verification row (1 +
+its drafts), a short prompt chunk. The kernel reads a sequence's keys once per query token, while torch's
+flash path over a longer chunk reads them once for all its rows after gathering them from the blocks."""
 
 MAX_HEAD_DIM = 512
 """Largest head dim the kernel takes (`kMaxHeadDim`); it must also be a multiple of 16."""
@@ -30,9 +36,11 @@ def kernel_serves(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def cpu_decode_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sliding_window: int,
-                    softcap: float, sinks: torch.Tensor | None, attention_chunk: int, out: torch.Tensor) -> bool:
-    """Attend the query token of every sequence that has exactly one (`query_start_loc`) over its blocks, in
-    one kernel call, into `out` (contiguous, like `query`); the other rows of `out` are left as they are.
+                    softcap: float, sinks: torch.Tensor | None, attention_chunk: int, out: torch.Tensor,
+                    max_query_len: int = 1) -> bool:
+    """Attend the query tokens of every sequence that has 1 to `max_query_len` of them (`query_start_loc`),
+    each at its causal position, over its blocks, in one kernel call, into `out` (contiguous, like `query`);
+    the other rows of `out` are left as they are.
     False, with nothing done, where the kernel is off (`FASTGEN_CPU_KERNELS`), could not be built, or does
     not take these tensors (`kernel_serves`). This step's K/V must already be in the cache."""
     if not kernel_serves(query, k_cache, v_cache):
@@ -44,5 +52,5 @@ def cpu_decode_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     int32 = (t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
              for t in (block_tables, seq_lens, query_start_loc))
     op(out, query, k_cache, v_cache, *int32, scale, sliding_window, softcap,
-       None if sinks is None else sinks.to(torch.float32).contiguous(), attention_chunk, 1)
+       None if sinks is None else sinks.to(torch.float32).contiguous(), attention_chunk, max_query_len)
     return True
