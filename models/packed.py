@@ -7,10 +7,11 @@ The LM head is packed too (`PackedLMHead`): it multiplies every sampled row by t
 A tied head keeps the embedding's plain weight beside the packed copy (the lookup needs it), so
 tying costs one more vocabulary x hidden matrix; an untied head drops its plain weight.
 
-Inputs of a few rows (batch-1 decode) multiply faster over the plain weight split over the cores
-(`fastgen.ops.gemv`) than through the packed kernel; `apply_packed_linear` does so when given that weight.
-A tied head gives it the embedding's weight, kept anyway; the other linears keep their plain weight
-for it only when asked (`gemv=True`, the plan's `gemv_weights`), a second copy of their weights.
+Inputs of a few rows (batch-1 decode) may multiply faster over the plain weight split over the cores
+(`fastgen.ops.gemv`) than through the packed kernel (fp32; not bf16 where the CPU has bf16 dot
+products); `apply_packed_linear` does so when given that weight, which the linears keep only when
+asked (`gemv=True`, the plan's `gemv_weights`): a second copy of their weights, but for a tied head,
+whose plain weight the embedding keeps anyway.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class PackedLinear(nn.Module):
 class PackedLMHead(nn.Module):
     """A loaded `ParallelLMHead` over a prepacked weight; `logits` as the head's (fp32, rank 0 only).
 
-    A few sampled rows multiply over the plain weight instead (`gemv_linear` over `threads` cores):
-    a tied head's, which the embedding keeps anyway, or with `gemv` an untied head's, then kept too.
+    With `gemv`, a few sampled rows multiply over the plain weight instead (`gemv_linear` over
+    `threads` cores): a tied head's, which the embedding keeps anyway, or an untied head's, then kept too.
     """
 
     def __init__(self, head: ParallelLMHead, tied: bool, gemv: bool = False, threads: int = 1) -> None:
@@ -79,7 +80,7 @@ class PackedLMHead(nn.Module):
         self.register_buffer("packed_weight", pack_linear_weight(head.weight), persistent=False)
         # Tied: the embedding owns the plain weight; keep the reference so `tie_weights` still finds it.
         self.weight = head.weight if tied else None
-        self.register_buffer("gemv_weight", _grouped(head.weight if tied or gemv else None, threads),
+        self.register_buffer("gemv_weight", _grouped(head.weight if gemv else None, threads),
                              persistent=False)
         self.bias = head.bias
 

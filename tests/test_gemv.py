@@ -80,16 +80,17 @@ def test_packed_layers_take_the_gemv_for_a_few_rows_only(tiny_checkpoints, monke
 
 
 @pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN")
-def test_without_gemv_weights_only_a_tied_head_takes_the_gemv(tiny_checkpoints):
+def test_gemv_weights_only_when_asked_and_a_tied_head_is_a_view(tiny_checkpoints):
     tied = load_model(tiny_checkpoints["qwen2"], dtype=torch.float32, progress=False).model
     assert tied.config.tie_word_embeddings
-    prepack_linears(tied, gemv=False, threads=2)
-    assert tied.model.layers[0].mlp.gate_up_proj.gemv_weight is None
+    prepack_linears(tied, gemv=True, threads=2)
     # The embedding's own weight, viewed: no copy.
     assert tied.lm_head.gemv_weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
-    untied = load_model(tiny_checkpoints["llama"], dtype=torch.float32, progress=False).model
-    prepack_linears(untied, gemv=False, threads=2)
-    assert untied.lm_head.gemv_weight is None and untied.lm_head.weight is None
+    for family in ("qwen2", "llama"):  # tied and untied heads
+        model = load_model(tiny_checkpoints[family], dtype=torch.float32, progress=False).model
+        prepack_linears(model, gemv=False, threads=2)
+        assert model.model.layers[0].mlp.gate_up_proj.gemv_weight is None and model.lm_head.gemv_weight is None
+    assert model.lm_head.weight is None  # the untied head's plain weight is dropped
 
 
 @pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN")

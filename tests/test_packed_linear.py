@@ -97,7 +97,11 @@ def test_plan_prepacks_cpu_fp32_and_says_why_not_elsewhere(tmp_path):
     assert plan.weight_prepack is True and "oneDNN" in plan.reasons["weight_prepack"]
     off = make_plan(model, avx2, dtype="bfloat16")
     assert off.weight_prepack is False and "emulates bf16" in off.reasons["weight_prepack"]
-    assert make_plan(model, _cpu(flags=BF16_CPU), dtype="bfloat16").weight_prepack is True
+    native = make_plan(model, _cpu(flags=BF16_CPU), dtype="bfloat16")
+    assert native.weight_prepack is True
+    # The packed kernel's bf16 dot products beat the plain-weight GEMV at every row count there.
+    assert native.gemv_weights is False and "bf16 dot products" in native.reasons["gemv_weights"]
+    assert "bf16" not in make_plan(model, _cpu(flags=BF16_CPU), dtype="float32").reasons["gemv_weights"]
     quantized = make_plan(model, avx2, dtype="float32", quantization="int8")
     assert quantized.weight_prepack is False and "int8" in quantized.reasons["weight_prepack"]
     gpu = make_plan(model, _gpus(H100))
