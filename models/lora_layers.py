@@ -3,15 +3,16 @@
 `attach_lora(model, max_loras, max_rank)` wraps each linear inside the decoder layers (the ones
 quantization takes, already quantized ones included; not the embedding, the LM head, MoE routers
 or stacked experts) in a `LoRALinear`: the base linear as it was, plus buffers
-`lora_a[max_loras, R, in]`, `lora_b[max_loras, out, R]` and `lora_scales[max_loras]`, where R is
-`max_rank` times the checkpoint projections merged into the linear (q/k/v: 3, gate/up: 2), since an
+`lora_a[max_loras, R, in]` and `lora_b[max_loras, out, R]` (the adapter's scale multiplied into B), where R
+is `max_rank` times the checkpoint projections merged into the linear (q/k/v: 3, gate/up: 2), since an
 adapter's pairs for a merged linear are stacked along the rank (`fastgen.models.lora`). They are
 buffers so that a compiled layer takes them as graph inputs: writing an adapter into a slot changes
 values, never shapes, and nothing recompiles.
 
 Family code calls its linears with their input alone, so the step's per-token adapter slots
 (`AttentionMetadata.lora_slots`) reach them through the model's one `LoRARows`: a forward pre-hook
-on the model groups the metadata's slots once for the call, a forward hook lets go after. The
+on the model lays the metadata's slots out as one grid for the call (`fastgen.ops.lora.group_by_slot`),
+a forward hook lets go after. The
 delta itself is `fastgen.ops.lora.add_lora_op`, one opaque op per linear.
 """
 
@@ -24,23 +25,22 @@ from torch import nn
 
 from fastgen.models.lora import LoRAAdapter
 from fastgen.models.quant import quantizable_linears
-from fastgen.ops.lora import add_lora_op, group_by_slot
+from fastgen.ops.lora import LoRAGrid, add_lora_, add_lora_op, group_by_slot
 
 
 class LoRARows:
-    """How the rows of the step the model is running group by adapter slot (None between calls)."""
+    """How the rows of the step the model is running group by adapter slot."""
 
-    def __init__(self, max_loras: int) -> None:
+    def __init__(self, max_loras: int, dtype: torch.dtype) -> None:
         self.max_loras = max_loras
-        self.order: torch.Tensor | None = None
-        """The step's rows ordered by slot, base-model rows first (`fastgen.ops.lora.group_by_slot`)."""
-        self.counts: torch.Tensor | None = None
-        """Host `[max_loras + 1]`: the step's base-model rows, then the rows of each slot."""
+        self.dtype = dtype
+        self.grid: LoRAGrid | None = None
+        """The step's adapted rows by slot (`fastgen.ops.lora.group_by_slot`); None between calls and
+        in steps where no row has an adapter."""
 
     def bind(self, slot_ids: torch.Tensor | None) -> None:
-        """Group the step's per-token slots (None: the step carries none, every row runs the base model)."""
-        grouped = (None, None) if slot_ids is None else group_by_slot(slot_ids, self.max_loras)
-        self.order, self.counts = grouped
+        """Lay out the step's per-token slots (None: the step carries none, every row runs the base model)."""
+        self.grid = None if slot_ids is None else group_by_slot(slot_ids, self.max_loras, self.dtype)
 
 
 class LoRALinear(nn.Module):
@@ -58,7 +58,6 @@ class LoRALinear(nn.Module):
                                                    device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, self.rank, dtype=dtype,
                                                    device=device), persistent=False)
-        self.register_buffer("lora_scales", torch.zeros(max_loras, dtype=dtype, device=device), persistent=False)
         self.rows = rows
 
     def extra_repr(self) -> str:
@@ -69,19 +68,21 @@ class LoRALinear(nn.Module):
         """The base linear's output plus each adapted row's delta."""
         # Contiguous (a no-op for every base linear today), so that the flat view below is the output itself.
         out = self.base(x).contiguous()
-        rows = self.rows
-        if rows.order is not None:
-            add_lora_op(out.view(-1, self.out_features), x.reshape(-1, self.in_features), self.lora_a, self.lora_b,
-                        self.lora_scales, rows.order, rows.counts)
+        grid = self.rows.grid
+        if grid is not None:
+            # Eager steps call the function itself: the dispatcher's round trip into Python costs ~15 us a
+            # call, paid by every adapted linear of every layer.
+            add = add_lora_op if torch.compiler.is_compiling() else add_lora_
+            add(out.view(-1, self.out_features), x.reshape(-1, self.in_features), self.lora_a, self.lora_b,
+                grid.rows, grid.valid, grid.meta)
         return out
 
     @torch.no_grad()
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, scale: float) -> None:
-        """Put adapter weights `a[r, in]`, `b[out, r]` (r <= `rank`) and its scale into `slot`; None
+        """Put adapter weights `a[r, in]`, `b[out, r]` (r <= `rank`) into `slot`, B times `scale`; None
         empties it (all zeros: a row pointing at it gets no delta from this linear)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
-        self.lora_scales[slot] = 0.0
         if a is None:
             return
         rank = a.shape[0]
@@ -90,8 +91,7 @@ class LoRALinear(nn.Module):
             raise ValueError(f"LoRA shapes A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a linear of "
                              f"in={self.in_features}, out={self.out_features}, rank <= {self.rank}")
         self.lora_a[slot, :rank].copy_(a)
-        self.lora_b[slot, :, :rank].copy_(b)
-        self.lora_scales[slot] = scale
+        self.lora_b[slot, :, :rank].copy_(b.float() * scale)
 
 
 class LoRALayers:
@@ -149,7 +149,7 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dt
     prepacking or compiling."""
     if max_loras < 1 or max_rank < 1:
         raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
-    rows = LoRARows(max_loras)
+    rows = LoRARows(max_loras, dtype)
     layers = {}
     for name, linear in quantizable_linears(model, quantized=True).items():
         parent_name, _, child = name.rpartition(".")
@@ -165,5 +165,5 @@ def lora_stack_bytes(linears: Iterable[tuple[int, int, int]], max_loras: int, ma
                      dtype: torch.dtype) -> int:
     """Bytes of the LoRA stacks `attach_lora` allocates for linears of `(out, in, merged projections)`."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    per_slot = sum(max_rank * shards * (out + inp) + 1 for out, inp, shards in linears)
+    per_slot = sum(max_rank * shards * (out + inp) for out, inp, shards in linears)
     return max_loras * per_slot * itemsize

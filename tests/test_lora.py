@@ -13,6 +13,7 @@ from fastgen.models.config import ModelConfig
 from fastgen.models.loader import build_empty_model
 from fastgen.models.lora import load_lora_adapter
 from fastgen.models.lora_layers import LoRALinear, LoRARows
+from fastgen.ops.lora import add_lora_, group_by_slot
 from kit import build_checkpoint
 
 
@@ -40,7 +41,7 @@ def _adapted_qkv(model, adapters, weight, max_rank=8) -> LoRALinear:
     base = nn.Linear(shape.in_features, shape.out_features, bias=False)
     base.output_sizes = list(shape.output_sizes)
     base.weight.data.copy_(weight)
-    linear = LoRALinear(base, 2, max_rank, LoRARows(2), torch.float32, torch.device("cpu"))
+    linear = LoRALinear(base, 2, max_rank, LoRARows(2, torch.float32), torch.float32, torch.device("cpu"))
     assert linear.rank == 3 * max_rank  # q, k and v's pairs stacked along the rank
     for slot, name in enumerate(("a", "b")):
         loaded = load_lora_adapter(name, adapters[name][0], model, max_lora_rank=max_rank)
@@ -130,3 +131,25 @@ def test_missing_corrupt_and_shape(setup, tmp_path):
     other = build_empty_model(ModelConfig.from_dict({**model.config.raw, "hidden_size": 32, "head_dim": 8}))
     with pytest.raises(ValueError, match="base linear takes"):
         load_lora_adapter("a", adapters["a"][0], other, max_lora_rank=8)
+
+
+@pytest.mark.parametrize("slot_ids", [[3, -1, 0, 3, 3, 5, -1, 0, 3], [1, 1, 1], [0, 1, 2, 3, 4, 5, 5, 4], [-1, -1]],
+                         ids=["uneven-some-slots", "one-slot", "every-slot", "base-only"])
+def test_grid_delta_equals_a_row_by_row_loop(slot_ids):
+    """The padded grid (present slots only, uneven rows per slot, base rows between) against each row's
+    own x @ A^T @ B^T."""
+    generator = torch.Generator().manual_seed(3)
+    num_slots, rank, d_in, d_out = 6, 4, 24, 40
+    a = torch.randn(num_slots, rank, d_in, generator=generator)
+    b = torch.randn(num_slots, d_out, rank, generator=generator)
+    x = torch.randn(len(slot_ids), d_in, generator=generator)
+    base = torch.randn(len(slot_ids), d_out, generator=generator)
+    grid = group_by_slot(torch.tensor(slot_ids, dtype=torch.int32), num_slots, torch.float32)
+    out = base.clone()
+    present = sorted({s for s in slot_ids if s >= 0})
+    assert grid.meta.tolist()[:2 + len(present)] == [len(present), max(map(slot_ids.count, present), default=0),
+                                                       *present]
+    assert grid.rows.shape == grid.valid.shape == (num_slots * len(slot_ids),)  # whatever the mix
+    add_lora_(out, x, a, b, grid.rows, grid.valid, grid.meta)
+    want = torch.stack([base[i] + (x[i] @ a[s].t() @ b[s].t() if s >= 0 else 0) for i, s in enumerate(slot_ids)])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

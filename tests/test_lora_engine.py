@@ -125,7 +125,7 @@ def test_stacks_take_what_the_plan_says(lora_families):
     family = lora_families("phi3")
     engine = make_engine(family)
     allocated = sum(t.numel() * t.element_size() for layer in engine.runner.lora.layers.values()
-                    for t in (layer.lora_a, layer.lora_b, layer.lora_scales))
+                    for t in (layer.lora_a, layer.lora_b))
     facts = model_facts(family.path)
     assert lora_stack_bytes(facts.lora_linears, 2, 8, engine.plan.dtype) == allocated
     assert f"stacks take {format_bytes(allocated)}" in engine.plan.reasons["max_loras"]
