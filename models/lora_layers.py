@@ -35,8 +35,8 @@ class LoRARows:
         self.max_loras = max_loras
         self.dtype = dtype
         self.grid: LoRAGrid | None = None
-        """The step's adapted rows by slot (`fastgen.ops.lora.group_by_slot`); None between calls and
-        in steps where no row has an adapter."""
+        """The step's adapted rows by slot (`fastgen.ops.lora.group_by_slot`); None between calls and in
+        steps that carry no slots."""
 
     def bind(self, slot_ids: torch.Tensor | None) -> None:
         """Lay out the step's per-token slots (None: the step carries none, every row runs the base model)."""
