@@ -47,7 +47,8 @@ VARIANTS = {"bf16": {"dtype": "bfloat16"}, "fp32": {"dtype": "float32"},
 def fastgen_single_stream(pipe: fastgen.Pipeline, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     """(pp tok/s, tg tok/s) of one sequence, stepping the engine directly."""
     engine = pipe.engine
-    request = engine.add_request(prompt, fastgen.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    request = engine.add_request(prompt, fastgen.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True,
+                                                                do_sample=False))
     seq = engine.sequences(request)[0]
     started = time.perf_counter()
     while not seq.output_token_ids:
