@@ -97,9 +97,9 @@ class RMSNorm(nn.Module):
             # torch's one-call norm computes HF's formula below in this order (bitwise equal in fp32,
             # checked by test_norm), in ~8 against ~11 us at one row: 61 calls a step at batch 1.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # HF's cast-normalise-cast, the normalising in torch's one call (bitwise the same in fp32): 4 ops
+        # against 8, 61 norms a step.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(dtype)
 
 
 class GatedMLP(nn.Module):
