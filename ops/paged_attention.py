@@ -166,11 +166,10 @@ def torch_paged_attention(
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plans["slots"])
     out = torch.zeros_like(query)
     block_size = k_cache.shape[1]
-    kernel_query_len = MAX_QUERY_LEN if kernels else 0
-    short = single or any(q_end - q_start <= kernel_query_len for _, q_start, q_end, _ in chunks)
-    if not (short and kernels and cpu_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                  scale, sliding_window, softcap, sinks, attention_chunk, out,
-                                                  kernel_query_len)):
+    short = kernels and (single or any(q_end - q_start <= MAX_QUERY_LEN for _, q_start, q_end, _ in chunks))
+    kernel_query_len = MAX_QUERY_LEN if short else 0
+    if not (short and cpu_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                      sliding_window, softcap, sinks, attention_chunk, out, kernel_query_len)):
         kernel_query_len = 0
         if single:
             attend_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, single, [starts[s] for s in single],

@@ -152,6 +152,27 @@ def test_multi_row_queries_through_the_kernel(kernel_isa, dtype, flags):
     assert torch.count_nonzero(out[~served]) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_op_sends_queries_up_to_max_query_len_to_the_kernel(kernel_only, dtype, monkeypatch):
+    """Through `paged_attention_cpu`: decode rows, a verification-shaped row (1 + 4 drafts) and a chunk of
+    exactly `MAX_QUERY_LEN` tokens over earlier context go to the kernel; only the longer chunks (one
+    over cached context, one a first chunk) take the torch path; all match the oracle."""
+    from fastgen.ops.cpu_kernels import MAX_QUERY_LEN
+
+    long_rows = []
+    real = paged_attention_module._attend_one
+    monkeypatch.setattr(paged_attention_module, "_attend_one",
+                        lambda query, *a, **k: long_rows.append(query.shape[0]) or real(query, *a, **k))
+    h = _Harness(block_size=8, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seed=5, num_blocks=128)
+    seqs = [_Seq() for _ in range(6)]
+    context = [40, 13, 30, 9, 21]
+    h.step([(s, n) for s, n in zip(seqs, context)], op=CPU_OP)
+    long_rows.clear()  # the context itself was a prefill call
+    h.step([(seqs[0], 1), (seqs[1], 5), (seqs[2], MAX_QUERY_LEN), (seqs[3], MAX_QUERY_LEN + 1), (seqs[4], 1),
+            (seqs[5], MAX_QUERY_LEN + 3)], pad_tokens=2, pad_rows=1, op=CPU_OP)
+    assert sorted(long_rows) == [MAX_QUERY_LEN + 1, MAX_QUERY_LEN + 3]
+
+
 @pytest.mark.parametrize("isa", ["avx512_bf16", "avx512", "avx2"])
 def test_forced_isa_variants(kernel_isa, isa, monkeypatch):
     """`FASTGEN_CPU_KERNELS` caps the variant; each variant this CPU runs matches the oracle in fp32 and bf16."""
