@@ -95,6 +95,7 @@ if TYPE_CHECKING:
         max_seqs: int | None = None
         block_size: int | None = None
         state_slots: int | None = None
+        kv_prefault: bool | None = None
         kv_cache_memory: int | float | None = None
         offload: str | None = None
         weight_memory: int | float | None = None

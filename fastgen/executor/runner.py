@@ -29,6 +29,7 @@ from fastgen.executor.host_allocator import keep_host_temporaries
 from fastgen.executor.offload import STREAMER_ATTR, install_offload, new_streamer
 from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, StepTensors, pick_bucket
 from fastgen.ops.kv_cache import allocate_kv_cache
+from fastgen.ops.prefault import prefault_in_background
 from fastgen.planning.plan import COMPILE_MODES, Plan
 
 logger = logging.getLogger("fastgen")
@@ -128,6 +129,8 @@ class ModelRunner:
                     for shape, state_dtype in states)
             for shapes, states in zip(model.config.layer_kv_cache_shapes(), model.config.layer_state_shapes())
         ]
+        if plan.kv_prefault:
+            prefault_in_background([t for layer in self.kv_caches for t in layer])
         self.buffers = None
         if self.buckets:
             max_blocks_per_seq = -(-max_model_len // block_size)

@@ -170,6 +170,10 @@ class Plan:
         "fixed-size state per sequence instead of K/V), one per running sequence; 0 for a model without such "
         "layers. The state cache is state_slots x the state of one sequence, beside the KV cache",
         "int | None", int, _check_non_negative_int)
+    kv_prefault: bool = plan_field(
+        "on a CPU, have the kernel map the KV cache's pages from a background thread after start-up "
+        "(madvise MADV_POPULATE_WRITE, contents untouched), so steps do not take a page fault at each page's "
+        "first write", "bool | None", parse_bool, _check_bool)
     kv_cache_memory: int = plan_field(
         "KV-cache size per device: bytes (int) or a fraction (float in (0, 1]) of the memory left after weights",
         "int | float | None", parse_memory, _check_memory)

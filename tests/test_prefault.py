@@ -1,0 +1,49 @@
+"""The KV cache's background prefault: pages mapped with the contents untouched, and the plan's choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgen.ops.kv_cache import allocate_kv_cache
+from fastgen.ops.prefault import populate, prefault_in_background, prefault_supported
+from fastgen.planning.hardware import GPUInfo, Hardware
+from fastgen.planning.model_facts import model_facts
+from fastgen.planning.policy import make_plan
+from kit import build_checkpoint
+
+GIB = 1 << 30
+
+pytestmark = pytest.mark.skipif(not prefault_supported(), reason="this OS does not take MADV_POPULATE_WRITE")
+
+
+def _resident_kib() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_populate_maps_pages_and_keeps_contents():
+    cache = allocate_kv_cache(64, 16, 4, 64, torch.float32, "cpu")  # 1 MiB, a transposed view of its storage
+    cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(0)))  # must survive the prefault
+    before = cache.clone()
+    big = torch.empty(64 << 20, dtype=torch.uint8)  # never written: not resident yet
+    rss = _resident_kib()
+    advised = populate([cache, big])
+    assert _resident_kib() - rss > 48 << 10  # most of big's 64 MiB is mapped now
+    assert advised >= (64 << 20) - 8192 and torch.equal(cache, before)
+
+
+def test_background_thread_ends_and_leaves_the_cache_as_it_was():
+    cache = torch.arange(1 << 20, dtype=torch.float32)
+    thread = prefault_in_background([cache])
+    thread.join(timeout=30)
+    assert not thread.is_alive() and torch.equal(cache, torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_plan_prefaults_cpu_caches_only(tmp_path):
+    facts = model_facts(build_checkpoint(str(tmp_path / "llama"), "llama"))
+    cpu = make_plan(facts, Hardware("cpu", 2, frozenset({"avx2"}), "AVX2", 8 * GIB))
+    assert cpu.kv_prefault is True and "background thread" in cpu.reasons["kv_prefault"]
+    gpu = Hardware("cuda", 8, frozenset({"avx2"}), "AVX2", 64 * GIB, (GPUInfo("NVIDIA H100", (9, 0), 80 * GIB, 79 * GIB, 132),))
+    assert make_plan(facts, gpu).kv_prefault is False
+    assert make_plan(facts, Hardware("cpu", 2, frozenset({"avx2"}), "AVX2", 8 * GIB), kv_prefault=False).kv_prefault is False
