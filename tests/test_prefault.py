@@ -40,10 +40,24 @@ def test_background_thread_ends_and_leaves_the_cache_as_it_was():
     assert not thread.is_alive() and torch.equal(cache, torch.arange(1 << 20, dtype=torch.float32))
 
 
-def test_plan_prefaults_cpu_caches_only(tmp_path):
+def test_plan_prefaults_only_when_asked_and_only_cpu_caches(tmp_path):
     facts = model_facts(build_checkpoint(str(tmp_path / "llama"), "llama"))
-    cpu = make_plan(facts, Hardware("cpu", 2, frozenset({"avx2"}), "AVX2", 8 * GIB))
-    assert cpu.kv_prefault is True and "background thread" in cpu.reasons["kv_prefault"]
+    cpu = Hardware("cpu", 2, frozenset({"avx2"}), "AVX2", 8 * GIB)
+    default = make_plan(facts, cpu)
+    assert default.kv_prefault is False and "kv_prefault=True" in default.reasons["kv_prefault"]
+    asked = make_plan(facts, cpu, kv_prefault=True)
+    assert asked.kv_prefault is True and asked.reasons["kv_prefault"] == "set by the user"
     gpu = Hardware("cuda", 8, frozenset({"avx2"}), "AVX2", 64 * GIB, (GPUInfo("NVIDIA H100", (9, 0), 80 * GIB, 79 * GIB, 132),))
-    assert make_plan(facts, gpu).kv_prefault is False
-    assert make_plan(facts, Hardware("cpu", 2, frozenset({"avx2"}), "AVX2", 8 * GIB), kv_prefault=False).kv_prefault is False
+    assert make_plan(facts, gpu).kv_prefault is False and "device memory" in make_plan(facts, gpu).reasons["kv_prefault"]
+
+
+def test_an_engine_asked_to_prefault_starts_the_thread(tmp_path, monkeypatch):
+    import fastgen
+    import fastgen.executor.runner as runner_module
+
+    started = []
+    monkeypatch.setattr(runner_module, "prefault_in_background", lambda tensors: started.append(len(tensors)))
+    path = build_checkpoint(str(tmp_path / "llama"), "llama")
+    with fastgen.pipeline(path, dtype="float32", kv_prefault=True, progress=False) as pipe:
+        layers = pipe.engine.runner.model.config.num_layers
+    assert started == [2 * layers]  # each layer's K and V
