@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import pytest
 import torch
 
@@ -17,20 +20,27 @@ GIB = 1 << 30
 pytestmark = pytest.mark.skipif(not prefault_supported(), reason="this OS does not take MADV_POPULATE_WRITE")
 
 
-def _resident_kib() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+def _resident_pages(buffer: mmap.mmap) -> int:
+    """How many pages of `buffer` are in memory (mincore(2))."""
+    pages = len(buffer) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(buffer)), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
 
 
 def test_populate_maps_pages_and_keeps_contents():
     cache = allocate_kv_cache(64, 16, 4, 64, torch.float32, "cpu")  # 1 MiB, a transposed view of its storage
     cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(0)))  # must survive the prefault
     before = cache.clone()
-    big = torch.empty(64 << 20, dtype=torch.uint8)  # never written: not resident yet
-    rss = _resident_kib()
-    advised = populate([cache, big])
-    assert _resident_kib() - rss > 48 << 10  # most of big's 64 MiB is mapped now
-    assert advised >= (64 << 20) - 8192 and torch.equal(cache, before)
+    fresh = mmap.mmap(-1, 16 << 20)  # anonymous memory never written: no page of it is mapped yet
+    region = torch.frombuffer(fresh, dtype=torch.uint8)
+    assert _resident_pages(fresh) == 0
+    advised = populate([cache, region])
+    assert _resident_pages(fresh) == (16 << 20) // mmap.PAGESIZE
+    assert advised >= (16 << 20) and torch.equal(cache, before)
+    del region
 
 
 def test_background_thread_ends_and_leaves_the_cache_as_it_was():
