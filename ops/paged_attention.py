@@ -159,6 +159,8 @@ def torch_paged_attention(
         chunks = [(s, starts[s], starts[s + 1], n) for s, n in enumerate(lens)
                   if n > 0 and starts[s + 1] - starts[s] > 1]
         plans["offsets"] = starts, single, chunks
+        # Whether any sequence has a query short enough for the C++ kernel (`cpu_paged_attention`).
+        plans["short"] = bool(single) or any(q_end - q_start <= MAX_QUERY_LEN for _, q_start, q_end, _ in chunks)
         plans["slots"] = kv_slots(slot_mapping, k_cache.shape[1])
     starts, single, chunks = plans["offsets"]
     # Every token's K/V is written before any sequence attends: a sequence admitted with a prefix-cache
@@ -166,7 +168,7 @@ def torch_paged_attention(
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plans["slots"])
     out = torch.zeros_like(query)
     block_size = k_cache.shape[1]
-    short = kernels and (single or any(q_end - q_start <= MAX_QUERY_LEN for _, q_start, q_end, _ in chunks))
+    short = kernels and plans["short"]
     kernel_query_len = MAX_QUERY_LEN if short else 0
     if not (short and cpu_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                       sliding_window, softcap, sinks, attention_chunk, out, kernel_query_len)):

@@ -11,12 +11,13 @@ engine has written meanwhile are unaffected, and start-up does not wait for it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -29,6 +30,7 @@ CHUNK_BYTES = 64 << 20
 """Bytes populated per call, so that one call never holds the mm lock for long."""
 
 
+@functools.cache
 def prefault_supported() -> bool:
     """Whether this OS takes `MADV_POPULATE_WRITE` (Linux 5.14+): tried on one anonymous page."""
     if not sys.platform.startswith("linux"):
@@ -40,10 +42,15 @@ def prefault_supported() -> bool:
     return ok
 
 
+@functools.cache
+def _libc_madvise() -> Callable[..., int]:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
+
+
 def _madvise(address: int, length: int) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE)
+    return _libc_madvise()(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE)
 
 
 def populate(tensors: Sequence[torch.Tensor]) -> int:

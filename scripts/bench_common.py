@@ -117,6 +117,21 @@ def profile_shares(prof) -> dict[str, float]:
             "other": max(0.0, 1 - (attention + matmul) / total)}
 
 
+def time_one_sequence(engine: fastgen.Engine, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
+    """Run one greedy sequence alone (EOS ignored), stepping `engine` directly: (seconds to its first token,
+    seconds from the first token to the last, tokens generated)."""
+    request = engine.add_request(prompt, fastgen.SamplingParams(do_sample=False, ignore_eos=True,
+                                                                max_new_tokens=new_tokens))
+    seq = engine.sequences(request)[0]
+    started = time.perf_counter()
+    while not seq.output_token_ids:
+        engine.step()
+    first = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return first - started, time.perf_counter() - first, len(seq.output_token_ids)
+
+
 def run_offline(model: str, requests: list[tuple[list[int], int]], around_steps=None,
                 warm: list[tuple[list[int], int]] | None = None, **options) -> float:
     """Seconds for a fastgen pipeline to serve every (prompt ids, output length) request, all

@@ -26,7 +26,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(SCRIPTS))
@@ -36,7 +35,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import fastgen  # noqa: E402
-from bench_common import write_json  # noqa: E402
+from bench_common import time_one_sequence, write_json  # noqa: E402
 from demo import installed_smollm2  # noqa: E402
 
 VARIANTS = {"bf16": {"dtype": "bfloat16"}, "fp32": {"dtype": "float32"},
@@ -45,19 +44,9 @@ VARIANTS = {"bf16": {"dtype": "bfloat16"}, "fp32": {"dtype": "float32"},
 
 
 def fastgen_single_stream(pipe: fastgen.Pipeline, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    """(pp tok/s, tg tok/s) of one sequence, stepping the engine directly."""
-    engine = pipe.engine
-    request = engine.add_request(prompt, fastgen.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True,
-                                                                do_sample=False))
-    seq = engine.sequences(request)[0]
-    started = time.perf_counter()
-    while not seq.output_token_ids:
-        engine.step()
-    first = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    last = time.perf_counter()
-    return len(prompt) / (first - started), (len(seq.output_token_ids) - 1) / (last - first)
+    """(pp tok/s, tg tok/s) of one sequence."""
+    prefill, decode, generated = time_one_sequence(pipe.engine, prompt, new_tokens)
+    return len(prompt) / prefill, (generated - 1) / decode
 
 
 def llama_bench(binary: str, model: str, prompt: int, new_tokens: int, threads: int) -> dict:

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(SCRIPTS))
 sys.path.insert(0, SCRIPTS)
 
 import fastgen  # noqa: E402
-from bench_common import write_json  # noqa: E402
+from bench_common import time_one_sequence, write_json  # noqa: E402
 from fastgen.engine import DEMO_MODEL_DIR  # noqa: E402
 from fastgen.models.gguf import gguf_cache_dir  # noqa: E402
 
@@ -190,18 +190,9 @@ def measure_contexts(model_type: str, args: argparse.Namespace) -> dict:
         # An untimed pass first: the step shapes of a longer context (block-table width) compile once.
         for timed in (False, True):
             prompt = torch.randint(3, engine.vocab_size, (context,), generator=gen).tolist()
-            request_id = engine.add_request(prompt, fastgen.SamplingParams(do_sample=False, ignore_eos=True,
-                                                                           max_new_tokens=args.decode_tokens + 1))
-            seq = engine.sequences(request_id)[0]
-            started = time.perf_counter()
-            while not seq.output_token_ids:
-                engine.step()
-            prefilled = time.perf_counter()
-            while engine.has_unfinished():
-                engine.step()
-            done = time.perf_counter()
-        row[f"prefill_{context}_tok_s"] = context / (prefilled - started)
-        row[f"decode_{context}_tok_s"] = args.decode_tokens / (done - prefilled)
+            prefill_s, decode_s, _ = time_one_sequence(engine, prompt, args.decode_tokens + 1)
+        row[f"prefill_{context}_tok_s"] = context / prefill_s
+        row[f"decode_{context}_tok_s"] = args.decode_tokens / decode_s
         print(f"{model_type:12s} context {context:6d}: prefill {row[f'prefill_{context}_tok_s']:7.1f} tok/s, "
               f"decode B=1 {row[f'decode_{context}_tok_s']:6.2f} tok/s", flush=True)
     pipe.destroy()

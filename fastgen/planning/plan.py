@@ -192,7 +192,7 @@ class Plan:
     gemv_weights: bool = plan_field(
         "with weight_prepack, keep the decoder layers' plain linear weights too (a second copy of them): steps of "
         "at most 4 rows (batch-1 decode) multiply over them with their output rows split over the cores, which "
-        "the packed kernel does on one core (a tied LM head does so over the embedding's weight either way)",
+        "the packed kernel does on one core (a tied LM head reads the embedding's weight, no copy)",
         "bool | None", parse_bool, _check_bool)
     tensor_parallel: int = plan_field(
         "ranks each replica's weights and KV cache are split over (one per GPU; on a CPU they share the cores; "
