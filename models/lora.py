@@ -6,10 +6,13 @@ A PEFT adapter directory holds `adapter_config.json` (`r`, `lora_alpha`, `use_rs
 names map onto the decoder's modules the way checkpoint weights do (the family's
 `packed_modules_mapping`): `q_proj`'s pair lands on the rows of our merged `qkv_proj` that hold q.
 
-Per decoder module the adapter becomes one `(A, B)` pair: the pairs of the checkpoint projections
-packed into it are stacked along the rank (A's rows) and placed block-wise in B (each on its own
-output rows, zeros elsewhere), so one shrink and one expand serve the merged linear
-(`fastgen.ops.lora`). The scale is `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`.
+Per decoder module the adapter becomes one `(A, B)` pair. For a merged linear, packed projection j
+(the j-th of its `output_sizes`) holds A's rows j*r..(j+1)*r and B's block on its own output rows and
+those ranks; zeros elsewhere, the whole block where the adapter leaves that projection alone (a pair over
+the whole merged linear, from a checkpoint that fuses it too, gives each projection its A and its rows of
+B). So one
+shrink and one expand serve the merged linear (`fastgen.ops.lora`), and the expand can read each
+projection's block alone. The scale is `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`.
 
 Every problem is a ValueError naming it, before anything is handed out: missing or corrupt files,
 a rank over `max_lora_rank`, a target the model does not have, shapes that do not fit the base, and
@@ -39,13 +42,13 @@ class LoRAModule:
     """One decoder linear's adapter weights: `a[rank, in]`, `b[out, rank]` (scale not folded in)."""
 
     a: torch.Tensor
-    """Shrink weights, the packed projections' A stacked along the rank."""
+    """Shrink weights; a merged linear's packed projections' A stacked along the rank in their order."""
     b: torch.Tensor
-    """Expand weights, each packed projection's B on its own output rows (zeros elsewhere)."""
+    """Expand weights; each packed projection's B on its own output rows and ranks (zeros elsewhere)."""
 
     @property
     def rank(self) -> int:
-        """Rows of `a` (the adapter's r times the packed projections it adapts)."""
+        """Rows of `a` (the adapter's r, times the packed projections of a merged linear)."""
         return self.a.shape[0]
 
 
@@ -235,10 +238,18 @@ def load_lora_adapter(name: str, path: str, model: nn.Module, max_lora_rank: int
     for ours, parts in pieces.items():
         base = linears[ours]
         sizes = getattr(base, "output_sizes", None)
-        b_full = torch.zeros(base.out_features, rank * len(parts), dtype=dtype)
-        for i, (shard, _, b) in enumerate(parts):
-            start = 0 if shard is None else sum(sizes[:shard])
-            b_full[start:start + b.shape[0], i * rank:(i + 1) * rank] = b
-        a_full = torch.cat([a for _, a, _ in parts]).to(dtype)
+        if sizes is None:  # a linear of its own
+            (_, a, b), = parts
+            modules[ours] = LoRAModule(a=a.to(dtype), b=b.to(dtype))
+            continue
+        a_full = torch.zeros(rank * len(sizes), base.in_features, dtype=dtype)
+        b_full = torch.zeros(base.out_features, rank * len(sizes), dtype=dtype)
+        for shard, a, b in parts:
+            # A pair over the whole merged linear (a checkpoint that fuses it too) serves each
+            # projection with the same A and that projection's rows of B: the same delta.
+            for j in range(len(sizes)) if shard is None else (shard,):
+                start = sum(sizes[:j])
+                a_full[j * rank:(j + 1) * rank] = a
+                b_full[start:start + sizes[j], j * rank:(j + 1) * rank] = b if shard is not None else b[start:start + sizes[j]]
         modules[ours] = LoRAModule(a=a_full, b=b_full)
     return LoRAAdapter(name=name, path=path, rank=rank, scale=scale, modules=modules)

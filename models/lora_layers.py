@@ -3,9 +3,10 @@
 `attach_lora(model, max_loras, max_rank)` wraps each linear inside the decoder layers (the ones
 quantization takes, already quantized ones included; not the embedding, the LM head, MoE routers
 or stacked experts) in a `LoRALinear`: the base linear as it was, plus buffers
-`lora_a[max_loras, R, in]` and `lora_b[max_loras, out, R]` (the adapter's scale multiplied into B), where R
-is `max_rank` times the checkpoint projections merged into the linear (q/k/v: 3, gate/up: 2), since an
-adapter's pairs for a merged linear are stacked along the rank (`fastgen.models.lora`). They are
+`lora_a[max_loras, R, in]` and `lora_b[max_loras, R, out]` (B transposed, the adapter's scale multiplied
+in), where R is `max_rank` times the checkpoint projections merged into the linear (q/k/v: 3, gate/up: 2):
+projection j of a merged linear owns ranks j*max_rank..(j+1)*max_rank, whatever the adapter's own rank,
+so the CPU kernel's expand reads each projection's block of B alone (`fastgen.ops.lora`). They are
 buffers so that a compiled layer takes them as graph inputs: writing an adapter into a slot changes
 values, never shapes, and nothing recompiles.
 
@@ -53,10 +54,12 @@ class LoRALinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         if hasattr(base, "output_sizes"):
             self.output_sizes = base.output_sizes
-        self.rank = max_rank * len(getattr(base, "output_sizes", (base.out_features,)))
+        self.sections = list(getattr(base, "output_sizes", (base.out_features,)))
+        """The output sections whose adapter pairs each own `max_rank` ranks (one for an unmerged linear)."""
+        self.rank = max_rank * len(self.sections)
         self.register_buffer("lora_a", torch.zeros(max_loras, self.rank, self.in_features, dtype=dtype,
                                                    device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, self.rank, dtype=dtype,
+        self.register_buffer("lora_b", torch.zeros(max_loras, self.rank, self.out_features, dtype=dtype,
                                                    device=device), persistent=False)
         self.rows = rows
 
@@ -69,29 +72,36 @@ class LoRALinear(nn.Module):
         # Contiguous (a no-op for every base linear today), so that the flat view below is the output itself.
         out = self.base(x).contiguous()
         grid = self.rows.grid
-        if grid is not None:
+        # Eager steps whose rows all run the base model skip the call; a compiled layer makes it whatever
+        # the mix (a Python bool read while tracing would be a guard, and a recompile when it flips).
+        if grid is not None and (torch.compiler.is_compiling() or grid.adapted):
             # Eager steps call the function itself: the dispatcher's round trip into Python costs ~15 us a
             # call, paid by every adapted linear of every layer.
             add = add_lora_op if torch.compiler.is_compiling() else add_lora_
             add(out.view(-1, self.out_features), x.reshape(-1, self.in_features), self.lora_a, self.lora_b,
-                grid.rows, grid.valid, grid.meta)
+                grid.slot_ids, grid.rows, grid.valid, grid.meta, self.sections)
         return out
 
     @torch.no_grad()
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, scale: float) -> None:
-        """Put adapter weights `a[r, in]`, `b[out, r]` (r <= `rank`) into `slot`, B times `scale`; None
-        empties it (all zeros: a row pointing at it gets no delta from this linear)."""
+        """Put adapter weights `a[r, in]`, `b[out, r]` into `slot`, B times `scale`; None empties it (all
+        zeros: a row pointing at it gets no delta from this linear). For a merged linear, r splits evenly
+        over its sections in order, each section's pair on its own output rows (`fastgen.models.lora`),
+        and r / sections must not exceed `max_rank`."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if a is None:
             return
-        rank = a.shape[0]
-        if rank > self.rank or tuple(a.shape) != (rank, self.in_features) or tuple(b.shape) != (self.out_features,
-                                                                                                 rank):
+        rank, sections, per_section = a.shape[0], len(self.sections), self.rank // len(self.sections)
+        if (rank % sections or rank // sections > per_section or tuple(a.shape) != (rank, self.in_features)
+                or tuple(b.shape) != (self.out_features, rank)):
             raise ValueError(f"LoRA shapes A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a linear of "
-                             f"in={self.in_features}, out={self.out_features}, rank <= {self.rank}")
-        self.lora_a[slot, :rank].copy_(a)
-        self.lora_b[slot, :, :rank].copy_(b.float() * scale)
+                             f"in={self.in_features}, out={self.out_features}, {sections} section(s) of rank "
+                             f"<= {per_section}")
+        r = rank // sections
+        for j in range(sections):
+            self.lora_a[slot, j * per_section:j * per_section + r].copy_(a[j * r:(j + 1) * r])
+            self.lora_b[slot, j * per_section:j * per_section + r].copy_(b[:, j * r:(j + 1) * r].t().float() * scale)
 
 
 class LoRALayers:

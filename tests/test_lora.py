@@ -13,6 +13,7 @@ from fastgen.models.config import ModelConfig
 from fastgen.models.loader import build_empty_model
 from fastgen.models.lora import load_lora_adapter
 from fastgen.models.lora_layers import LoRALinear, LoRARows
+from fastgen.ops.cpu_kernels import ENV_VAR, ISAS, cpu_kernel_isa, load_lora_delta, supported_isas
 from fastgen.ops.lora import add_lora_, group_by_slot
 from kit import build_checkpoint
 
@@ -133,23 +134,77 @@ def test_missing_corrupt_and_shape(setup, tmp_path):
         load_lora_adapter("a", adapters["a"][0], other, max_lora_rank=8)
 
 
+def _stacks(num_slots: int, rank: int, d_in: int, sections: list[int], dtype: torch.dtype, seed: int,
+            zero_ranks: int = 0):
+    """Random stacks `a[slots, R, in]`, `b[slots, R, out]` (B transposed) whose B is zero off each section's
+    own ranks, like `LoRALinear`'s; the last `zero_ranks` of every section zero in A too (a lower-rank adapter)."""
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.randn(num_slots, rank, d_in, generator=generator)
+    b = torch.randn(num_slots, rank, sum(sections), generator=generator)
+    per = rank // len(sections)
+    for j, size in enumerate(sections):
+        start = sum(sections[:j])
+        b[:, :j * per, start:start + size] = 0
+        b[:, (j + 1) * per:, start:start + size] = 0
+        a[:, (j + 1) * per - zero_ranks:(j + 1) * per] = 0
+    return a.to(dtype), b.to(dtype)
+
+
+def _path(path: str, monkeypatch) -> None:
+    """Send `add_lora_` down `path`: the C++ kernel (skipped where it cannot be built) or the torch grid."""
+    monkeypatch.setenv(ENV_VAR, "auto" if path == "kernel" else "off")
+    if path == "kernel" and (cpu_kernel_isa() is None or load_lora_delta(cpu_kernel_isa()) is None):
+        pytest.skip("the C++ CPU kernels cannot run here")
+    if path == "kernel":  # a row left to the torch grid would fail the test
+        monkeypatch.setattr(torch, "bmm", None)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("sections", [[40], [16, 24], [13, 20, 7]], ids=["one", "two", "three-odd"])
 @pytest.mark.parametrize("slot_ids", [[3, -1, 0, 3, 3, 5, -1, 0, 3], [1, 1, 1], [0, 1, 2, 3, 4, 5, 5, 4], [-1, -1]],
                          ids=["uneven-some-slots", "one-slot", "every-slot", "base-only"])
-def test_grid_delta_equals_a_row_by_row_loop(slot_ids):
-    """The padded grid (present slots only, uneven rows per slot, base rows between) against each row's
-    own x @ A^T @ B^T."""
-    generator = torch.Generator().manual_seed(3)
-    num_slots, rank, d_in, d_out = 6, 4, 24, 40
-    a = torch.randn(num_slots, rank, d_in, generator=generator)
-    b = torch.randn(num_slots, d_out, rank, generator=generator)
+def test_delta_equals_a_row_by_row_loop(slot_ids, sections, path, monkeypatch):
+    """The kernel and the padded grid (present slots only, uneven rows per slot, base rows between, merged
+    sections, widths off the vector length) against each row's own x @ A^T @ B in float64."""
+    _path(path, monkeypatch)
+    num_slots, rank, d_in = 6, 6 * len(sections), 27
+    a, b = _stacks(num_slots, rank, d_in, sections, torch.float32, seed=3, zero_ranks=1)
+    generator = torch.Generator().manual_seed(4)
     x = torch.randn(len(slot_ids), d_in, generator=generator)
-    base = torch.randn(len(slot_ids), d_out, generator=generator)
+    base = torch.randn(len(slot_ids), sum(sections), generator=generator)
     grid = group_by_slot(torch.tensor(slot_ids, dtype=torch.int32), num_slots, torch.float32)
     out = base.clone()
     present = sorted({s for s in slot_ids if s >= 0})
     assert grid.meta.tolist()[:2 + len(present)] == [len(present), max(map(slot_ids.count, present), default=0),
                                                        *present]
     assert grid.rows.shape == grid.valid.shape == (num_slots * len(slot_ids),)  # whatever the mix
-    add_lora_(out, x, a, b, grid.rows, grid.valid, grid.meta)
-    want = torch.stack([base[i] + (x[i] @ a[s].t() @ b[s].t() if s >= 0 else 0) for i, s in enumerate(slot_ids)])
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    add_lora_(out, x, a, b, grid.slot_ids, grid.rows, grid.valid, grid.meta, sections)
+    want = torch.stack([base[i].double() + (x[i].double() @ a[s].double().t() @ b[s].double() if s >= 0 else 0)
+                        for i, s in enumerate(slot_ids)])
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_kernel_variants_and_dtypes_match_float64(isa, dtype, monkeypatch):
+    """Each ISA variant this CPU runs, in each dtype, over SmolLM2-like shapes and an odd one: within one
+    rounding of the output's dtype of the float64 delta (the kernel accumulates in fp32, rounds once)."""
+    if isa not in supported_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    monkeypatch.setenv(ENV_VAR, isa)
+    if load_lora_delta(isa) is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    monkeypatch.setattr(torch, "bmm", None)
+    for d_in, sections, rank in ((576, [576, 192, 192], 48), (1536, [576], 16), (70, [35, 18], 10)):
+        a, b = _stacks(4, rank, d_in, sections, dtype, seed=d_in, zero_ranks=2)
+        slots = torch.tensor([0, -1, 3, 2, 2, 1, 0, -1, 3, 3, 1], dtype=torch.int32)
+        generator = torch.Generator().manual_seed(5)
+        x = torch.randn(slots.shape[0], d_in, generator=generator).to(dtype)
+        base = torch.randn(slots.shape[0], sum(sections), generator=generator).to(dtype)
+        grid = group_by_slot(slots, 4, dtype)
+        out = base.clone()
+        add_lora_(out, x, a, b, grid.slot_ids, grid.rows, grid.valid, grid.meta, sections)
+        want = torch.stack([base[i].double() + (x[i].double() @ a[s].double().t() @ b[s].double() if s >= 0 else 0)
+                            for i, s in enumerate(slots.tolist())])
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(out.double(), want.to(dtype).double(), rtol=max(2 * eps, 1e-5), atol=1e-3)

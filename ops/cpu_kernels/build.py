@@ -1,11 +1,11 @@
 """Building the C++ CPU kernels at first use, and reusing the build in every later process.
 
-The source ships in the package and is compiled by torch's extension toolchain
+The sources ship in the package and are compiled by torch's extension toolchain
 (`torch.utils.cpp_extension.load`: the compiler and headers Inductor's CPU backend needs anyway) into
-`$FASTGEN_CACHE/cpu_kernels/<isa>-<key>`, where the key hashes the source, the variant's flags, torch's
+`$FASTGEN_CACHE/cpu_kernels/<isa>-<key>`, one library per variant, where the key hashes the sources, the variant's flags, torch's
 version and the compiler. A second process finds the library there and only loads it. Where the build
-fails (no compiler, no ninja, a compiler error) the caller gets None and one log line, and attention runs
-on the torch path.
+fails (no compiler, no ninja, a compiler error) the caller gets None and one log line, and every kernel's
+caller runs its torch path.
 """
 
 from __future__ import annotations
@@ -24,14 +24,19 @@ from fastgen.ops.cpu_kernels.isa import ISA_FLAGS
 
 logger = logging.getLogger("fastgen")
 
-SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.cpp")
-"""The kernels' C++ source."""
+SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("paged_decode.cpp", "lora_delta.cpp"))
+"""The kernels' C++ sources, compiled into one library."""
+
+HEADERS = (os.path.join(os.path.dirname(__file__), "simd.h"),)
+"""Headers the sources include (part of the build's key)."""
 
 
 def build_dir(isa: str) -> str:
-    """Where variant `isa` of the current source is built for this torch and compiler."""
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read())
+    """Where variant `isa` of the current sources is built for this torch and compiler."""
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read())
     digest.update(" ".join(ISA_FLAGS[isa]).encode())
     digest.update(torch.__version__.encode())
     digest.update(os.environ.get("CXX", "c++").encode())
@@ -51,9 +56,9 @@ def _drop_stale_lock(directory: str) -> None:
 
 
 @functools.cache
-def load_paged_decode(isa: str) -> torch._ops.OpOverloadPacket | None:
-    """`fastgen::paged_decode_<isa>` (see `paged_decode.cpp`), built or found in the cache on the first call
-    of a process; None, logged once, when it cannot be built."""
+def _load_library(isa: str) -> bool:
+    """Build variant `isa` (or find it in the cache) and load it into this process, once; False, logged
+    once, when it cannot be built."""
     directory = build_dir(isa)
     name = f"fastgen_cpu_kernels_{isa}"
     start = time.perf_counter()
@@ -62,11 +67,26 @@ def load_paged_decode(isa: str) -> torch._ops.OpOverloadPacket | None:
 
         os.makedirs(directory, exist_ok=True)
         _drop_stale_lock(directory)
-        torch.utils.cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=[*ISA_FLAGS[isa], f"-DFASTGEN_ISA={isa}"],
-                                       extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False)
+        torch.utils.cpp_extension.load(name=name, sources=list(SOURCES), extra_cflags=[*ISA_FLAGS[isa], f"-DFASTGEN_ISA={isa}"],
+                                       extra_include_paths=[os.path.dirname(HEADERS[0])], extra_ldflags=["-fopenmp"],
+                                       build_directory=directory, is_python_module=False)
     except Exception as exc:  # noqa: BLE001 - any failure to build means the torch path, never an error
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        logger.warning("C++ CPU kernels (%s) unavailable, attention stays on the torch path: %s", isa, lines[0])
-        return None
+        logger.warning("C++ CPU kernels (%s) unavailable, their callers stay on the torch path: %s", isa, lines[0])
+        return False
     logger.info("C++ CPU kernels (%s) ready in %.1f s from %s", isa, time.perf_counter() - start, directory)
-    return getattr(torch.ops.fastgen, f"paged_decode_{isa}")
+    return True
+
+
+@functools.cache
+def load_paged_decode(isa: str) -> torch._ops.OpOverloadPacket | None:
+    """`fastgen::paged_decode_<isa>` (see `paged_decode.cpp`), built or found in the cache on the first call
+    of a process; None when it cannot be built."""
+    return getattr(torch.ops.fastgen, f"paged_decode_{isa}") if _load_library(isa) else None
+
+
+@functools.cache
+def load_lora_delta(isa: str) -> torch._ops.OpOverloadPacket | None:
+    """`fastgen::lora_delta_<isa>` (see `lora_delta.cpp`), built or found in the cache on the first call of a
+    process; None when it cannot be built."""
+    return getattr(torch.ops.fastgen, f"lora_delta_{isa}") if _load_library(isa) else None
