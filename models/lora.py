@@ -6,7 +6,8 @@ A PEFT adapter directory holds `adapter_config.json` (`r`, `lora_alpha`, `use_rs
 names map onto the decoder's modules the way checkpoint weights do (the family's
 `packed_modules_mapping`): `q_proj`'s pair lands on the rows of our merged `qkv_proj` that hold q.
 
-Per decoder module the adapter becomes one `(A, B)` pair. For a merged linear, packed projection j
+Per decoder module the adapter becomes one `(A, B)` pair over the checkpoint's whole linear (every
+tensor-parallel rank's share: `LoRALinear.set_slot` keeps this rank's). For a merged linear, packed projection j
 (the j-th of its `output_sizes`) holds A's rows j*r..(j+1)*r and B's block on its own output rows and
 those ranks; zeros elsewhere, the whole block where the adapter leaves that projection alone (a pair over
 the whole merged linear, from a checkpoint that fuses it too, gives each projection its A and its rows of
@@ -142,6 +143,11 @@ def _known_targets(model: nn.Module, linears: dict[str, nn.Module]) -> set[str]:
     return leaves | {hf for hf, (ours, _) in packed.items() if ours in leaves}
 
 
+def _full_sizes(linear: nn.Module) -> list[int] | None:
+    """The checkpoint rows of each projection merged into `linear` (all ranks'), None for an unmerged one."""
+    return getattr(linear, "full_sizes", getattr(linear, "output_sizes", None))
+
+
 def _module_target(hf_module: str, packed: dict) -> tuple[str, int | None]:
     """Our module name and shard index (None = the whole module) for an HF module path."""
     parts = hf_module.split(".")
@@ -206,8 +212,6 @@ def load_lora_adapter(name: str, path: str, model: nn.Module, max_lora_rank: int
     if getattr(model, "adapt_checkpoint_tensor", None) is not None:
         raise ValueError(f"{where}: LoRA for {model.config.model_type} is not supported yet "
                          f"(its checkpoint layout is rewritten at load)")
-    if model.config.parallel.size > 1:
-        raise ValueError(f"{where}: LoRA under tensor parallelism is not supported yet")
     rank = _positive_number(config, "r", where)
     if not isinstance(rank, int):
         raise ValueError(f"{where}: r must be an integer, got {rank!r}")
@@ -228,22 +232,22 @@ def load_lora_adapter(name: str, path: str, model: nn.Module, max_lora_rank: int
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise ValueError(f"{where}: {hf_module} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
                              f"not rank {rank} (r in {CONFIG_FILE})")
-        sizes = getattr(base, "output_sizes", None)
-        rows = base.out_features if shard is None else sizes[shard]
-        if a.shape[1] != base.in_features or b.shape[0] != rows:
+        sizes, in_features = _full_sizes(base), getattr(base, "full_in_features", base.in_features)
+        rows = (sum(sizes) if sizes else base.out_features) if shard is None else sizes[shard]
+        if a.shape[1] != in_features or b.shape[0] != rows:
             raise ValueError(f"{where}: {hf_module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but the base "
-                             f"linear takes {base.in_features} inputs to {rows} outputs")
+                             f"linear takes {in_features} inputs to {rows} outputs")
         pieces.setdefault(ours, []).append((shard, a, b))
     modules = {}
     for ours, parts in pieces.items():
         base = linears[ours]
-        sizes = getattr(base, "output_sizes", None)
+        sizes = _full_sizes(base)
         if sizes is None:  # a linear of its own
             (_, a, b), = parts
             modules[ours] = LoRAModule(a=a.to(dtype), b=b.to(dtype))
             continue
-        a_full = torch.zeros(rank * len(sizes), base.in_features, dtype=dtype)
-        b_full = torch.zeros(base.out_features, rank * len(sizes), dtype=dtype)
+        a_full = torch.zeros(rank * len(sizes), getattr(base, "full_in_features", base.in_features), dtype=dtype)
+        b_full = torch.zeros(sum(sizes), rank * len(sizes), dtype=dtype)
         for shard, a, b in parts:
             # A pair over the whole merged linear (a checkpoint that fuses it too) serves each
             # projection with the same A and that projection's rows of B: the same delta.

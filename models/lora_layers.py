@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fastgen.models.lora import LoRAAdapter
+from fastgen.models.parallel import SINGLE, RowParallelLinear, TensorParallel, all_reduce, read_merged_rows
 from fastgen.models.quant import quantizable_linears
 from fastgen.ops.lora import LoRAGrid, add_lora_, add_lora_op, group_by_slot
 
@@ -57,6 +58,22 @@ class LoRALinear(nn.Module):
         self.sections = list(getattr(base, "output_sizes", (base.out_features,)))
         """The output sections whose adapter pairs each own `max_rank` ranks (one for an unmerged linear)."""
         self.rank = max_rank * len(self.sections)
+        self.tp: TensorParallel = getattr(base, "tp", SINGLE)
+        self.row_parallel = self.tp.size > 1 and bool(getattr(base, "row_parallel", isinstance(base, RowParallelLinear)))
+        """Whether the input is split over the ranks: A is split like the base's weight columns, and the
+        delta joins the rank's partial product before the all-reduce."""
+        if self.tp.size > 1 and not self.row_parallel and not hasattr(base, "full_sizes"):
+            raise NotImplementedError(f"LoRA under tensor parallelism: a {type(base).__name__} is neither a merged "
+                                      "column-parallel nor a row-parallel linear, so how its adapter splits is unknown")
+        self.full_in_features = self.in_features * self.tp.size if self.row_parallel else self.in_features
+        """The checkpoint's input width (what an adapter's A has)."""
+        if hasattr(base, "full_sizes"):
+            self.full_sizes, self.shard_starts = list(base.full_sizes), list(base.shard_starts)
+        self.reduce = self.row_parallel and bool(getattr(base, "reduce", False))
+        """Whether this module, not its base, sums the ranks' partial products (and then adds the bias)."""
+        self.bias = None
+        if self.reduce:
+            self.bias, base.bias, base.reduce = base.bias, None, False
         self.register_buffer("lora_a", torch.zeros(max_loras, self.rank, self.in_features, dtype=dtype,
                                                    device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, self.rank, self.out_features, dtype=dtype,
@@ -70,6 +87,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The base linear's output plus each adapted row's delta."""
         # Contiguous (a no-op for every base linear today), so that the flat view below is the output itself.
+        # A row-parallel rank's partial product: its delta from its A columns is its share of the sum.
         out = self.base(x).contiguous()
         grid = self.rows.grid
         # Eager steps whose rows all run the base model skip the call; a compiled layer makes it whatever
@@ -80,24 +98,31 @@ class LoRALinear(nn.Module):
             add = add_lora_op if torch.compiler.is_compiling() else add_lora_
             add(out.view(-1, self.out_features), x.reshape(-1, self.in_features), self.lora_a, self.lora_b,
                 grid.slot_ids, grid.rows, grid.valid, grid.meta, self.sections)
-        return out
+        if self.reduce:
+            out = all_reduce(out, self.tp)
+        return out if self.bias is None else out + self.bias
 
     @torch.no_grad()
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, scale: float) -> None:
-        """Put adapter weights `a[r, in]`, `b[out, r]` into `slot`, B times `scale`; None empties it (all
-        zeros: a row pointing at it gets no delta from this linear). For a merged linear, r splits evenly
-        over its sections in order, each section's pair on its own output rows (`fastgen.models.lora`),
-        and r / sections must not exceed `max_rank`."""
+        """Put adapter weights `a[r, in]`, `b[out, r]` (the checkpoint's whole linear, `fastgen.models.lora`'s
+        layout) into `slot`, B times `scale`; None empties it (all zeros: a row pointing at it gets no
+        delta from this linear). r splits evenly over the sections, each at most `max_rank`; under tensor
+        parallelism this rank keeps the rows of B, or the columns of A, that its base weight has."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if a is None:
             return
         rank, sections, per_section = a.shape[0], len(self.sections), self.rank // len(self.sections)
-        if (rank % sections or rank // sections > per_section or tuple(a.shape) != (rank, self.in_features)
-                or tuple(b.shape) != (self.out_features, rank)):
+        full_out = sum(getattr(self, "full_sizes", self.sections))
+        if (rank % sections or rank // sections > per_section or tuple(a.shape) != (rank, self.full_in_features)
+                or tuple(b.shape) != (full_out, rank)):
             raise ValueError(f"LoRA shapes A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a linear of "
-                             f"in={self.in_features}, out={self.out_features}, {sections} section(s) of rank "
+                             f"in={self.full_in_features}, out={full_out}, {sections} section(s) of rank "
                              f"<= {per_section}")
+        if self.row_parallel:
+            a = a[:, self.tp.rank * self.in_features:(self.tp.rank + 1) * self.in_features]
+        if hasattr(self, "full_sizes"):
+            b = read_merged_rows(b, self.full_sizes, self.shard_starts, self.sections)
         r = rank // sections
         for j in range(sections):
             self.lora_a[slot, j * per_section:j * per_section + r].copy_(a[j * r:(j + 1) * r])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastgen.models.parallel import SINGLE, ParallelLMHead, RowParallelLinear, all_reduce
+from fastgen.models.parallel import SINGLE, ParallelLMHead, RowParallelLinear, all_reduce, copy_parallel_layout
 from fastgen.models.quant import quantizable_linears
 from fastgen.ops.gemv import gemv_groups, group_weight
 from fastgen.ops.packed_linear import apply_packed_linear, pack_linear_weight
@@ -49,8 +49,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", pack_linear_weight(linear.weight), persistent=False)
         self.register_buffer("gemv_weight", _grouped(linear.weight if gemv else None, threads), persistent=False)
         self.bias = linear.bias
-        if hasattr(linear, "output_sizes"):
-            self.output_sizes = linear.output_sizes
+        copy_parallel_layout(linear, self)
 
     def extra_repr(self) -> str:
         """Sizes shown by `print(model)`."""

@@ -186,6 +186,20 @@ class RowParallelLinear(nn.Linear):
         return read_slice(full, 1, self.tp.rank * self.in_features, self.in_features)
 
 
+LAYOUT_ATTRS = ("output_sizes", "full_sizes", "shard_starts")
+"""What a merged column-parallel linear says of its rows: this rank's and the checkpoint's sizes per
+projection, and where this rank's rows start in each."""
+
+
+def copy_parallel_layout(linear: nn.Module, to: nn.Module) -> None:
+    """Give `to`, a module that replaces `linear` (packed, quantized), `linear`'s tensor-parallel layout:
+    its merged rows (`LAYOUT_ATTRS`, where it has them) and `row_parallel` (its input is split)."""
+    for attr in LAYOUT_ATTRS:
+        if hasattr(linear, attr):
+            setattr(to, attr, getattr(linear, attr))
+    to.row_parallel = bool(getattr(linear, "row_parallel", isinstance(linear, RowParallelLinear)))
+
+
 def _vocab_rows(full, tp: TensorParallel, rows_per_rank: int) -> torch.Tensor:
     """This rank's vocabulary rows, zero-padded past the real vocabulary (the last rank's tail)."""
     start = tp.rank * rows_per_rank

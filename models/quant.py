@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastgen.models.parallel import SINGLE, ParallelLMHead, RowParallelLinear, all_reduce
+from fastgen.models.parallel import SINGLE, ParallelLMHead, RowParallelLinear, all_reduce, copy_parallel_layout
 
 QUANTIZATIONS = ("none", "int8", "int4")
 """`quantization` settings: full precision, int8 per output channel, int4 group-wise."""
@@ -102,8 +102,7 @@ class QuantizedLinear(nn.Module):
         self.tp = getattr(linear, "tp", SINGLE)
         # A row-parallel layer sums the ranks' partial products before its bias (as RowParallelLinear does).
         self.reduce = isinstance(linear, RowParallelLinear) and self.tp.size > 1 and linear.reduce
-        if hasattr(linear, "output_sizes"):
-            self.output_sizes = linear.output_sizes
+        copy_parallel_layout(linear, self)
         if hasattr(linear, "load_checkpoint_shard"):
             self.load_checkpoint_shard = linear.load_checkpoint_shard
         self.kernel = ""

@@ -174,3 +174,23 @@ def test_real_smollm2_with_an_adapter_equals_peft(tmp_path):
     seqs = generate(engine, prompts + prompts, ["a", "a", None, None])
     assert [s.output_token_ids for s in seqs[:2]] == want
     assert [s.output_token_ids for s in seqs[2:]] != want, "the adapter changed nothing"
+
+
+@pytest.mark.parametrize("model_type", sorted(TARGETS))
+def test_tp2_equals_peft_while_slots_are_rewritten(model_type, lora_families):
+    """Two ranks over gloo: A and B split like their base linears (q/k/v and gate/up B's rows, o/down A's
+    columns, the delta joining the partial product before the all-reduce, a row-parallel bias added once).
+    One device slot, so the mixed batch rewrites it between steps and every write must reach rank 1; an
+    adapter unloaded and loaded again under another name runs as before."""
+    family = lora_families(model_type)
+    engine = make_engine(family, tensor_parallel=2, max_loras=1, max_cpu_loras=1)
+    try:
+        assert engine.plan.tensor_parallel == 2 and engine.runner.lora.layers
+        prompts, loras, want = mixed_call(family)
+        assert [s.output_token_ids for s in generate(engine, prompts, loras)] == want
+        engine.unload_lora("b")
+        engine.load_lora("c", family.adapters["b"])
+        seqs = generate(engine, family.prompts, ["c"] * len(family.prompts))
+        assert [s.output_token_ids for s in seqs] == family.want["b"]
+    finally:
+        engine.shutdown()

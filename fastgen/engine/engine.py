@@ -88,7 +88,7 @@ class Engine:
                                           num_state_slots=plan.state_slots)
         self.long_rope = long_rope_switch(runner.model)
         self.lora = None if runner.lora is None else LoRAManager(runner.model, runner.lora, plan.max_cpu_loras,
-                                                                 plan.dtype)
+                                                                 plan.dtype, replicated=tp_group is not None)
         """The engine's LoRA adapters (None: the plan's enable_lora is off)."""
         namespace = None if self.long_rope is None and self.lora is None else functools.partial(
             kv_namespace, self.long_rope)

@@ -10,6 +10,9 @@
 - `activate(lora_ids)`, before each step, puts the step's adapters into device slots: one already there
   keeps its slot, another takes a free slot or the least recently used one this step does not need.
   The scheduler never puts more than `max_loras` distinct adapters in one step, so there always is one.
+- Under tensor parallelism every rank holds its shard of the same slots: each slot write is kept
+  (`take_writes`) and sent to the other ranks before the step that needs it; they read the adapter from
+  the same directory.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastgen.executor.distributed import LoRASlotWrite
 from fastgen.models.lora import LoRAAdapter, load_lora_adapter
 from fastgen.models.lora_layers import LoRALayers
 from fastgen.sampling_params import FieldValueError
@@ -49,9 +53,11 @@ class LoadedLoRA:
 class LoRAManager:
     """Names -> adapters, the host LRU cache of read adapters, and which adapter sits in which device slot."""
 
-    def __init__(self, model: nn.Module, layers: LoRALayers, max_cpu_loras: int, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, layers: LoRALayers, max_cpu_loras: int, dtype: torch.dtype,
+                 replicated: bool = False) -> None:
         """Adapters for `model`, whose LoRA linears are `layers`; at most `max_cpu_loras` kept read in
-        host memory, in `dtype`."""
+        host memory, in `dtype`. `replicated`: other tensor-parallel ranks hold shards of the same slots,
+        so every slot write is also kept for them (`take_writes`)."""
         if max_cpu_loras < layers.max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras ({layers.max_loras})")
         self.model = model
@@ -66,6 +72,7 @@ class LoRAManager:
         self._slot_use: list[int] = [0] * layers.max_loras  # the step count when each slot was last needed
         self._steps = 0
         self._ids = itertools.count(1)
+        self._writes: list[LoRASlotWrite] | None = [] if replicated else None
 
     @property
     def max_loras(self) -> int:
@@ -121,7 +128,7 @@ class LoRAManager:
         self._host.pop(loaded.lora_id, None)
         if loaded.lora_id in self._slots:
             slot = self._slots.index(loaded.lora_id)
-            self.layers.write(slot, None)
+            self._write(slot, None)
             self._slots[slot], self._slot_use[slot] = 0, 0
 
     def activate(self, lora_ids: set[int]) -> dict[int, int]:
@@ -138,10 +145,25 @@ class LoRAManager:
         for lora_id in sorted(lora_ids - set(placed)):
             slot = min((s for s in range(self.max_loras) if s not in placed.values()), key=lambda s: self._slot_use[s])
             self._slots[slot] = 0  # empty until its new adapter is fully written
-            self.layers.write(slot, self._host_copy(lora_id))
+            self._write(slot, self._host_copy(lora_id))
             self._slots[slot], self._slot_use[slot] = lora_id, self._steps
             placed[lora_id] = slot
         return placed
+
+    def _write(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Put `adapter` (None: nothing) into device slot `slot`, and keep the write for the other ranks."""
+        self.layers.write(slot, adapter)
+        if self._writes is not None:
+            self._writes.append(LoRASlotWrite(slot, None, None) if adapter is None else
+                                LoRASlotWrite(slot, adapter.name, adapter.path))
+
+    def take_writes(self) -> list[LoRASlotWrite]:
+        """The slot writes made since the last call, in order, for the other tensor-parallel ranks to repeat
+        before the next step (empty when the slots are not replicated)."""
+        if self._writes is None:
+            return []
+        writes, self._writes = self._writes, []
+        return writes
 
     def _host_copy(self, lora_id: int) -> LoRAAdapter:
         """The read adapter `lora_id` (read again from its directory if it was evicted), now most recently used."""

@@ -43,7 +43,21 @@ logger = logging.getLogger("fastgen")
 
 CMD_STEP = 1
 CMD_SHUTDOWN = 2
+CMD_LORA = 3
 _HEADER_LEN = 5  # command, then the sizes `HostStepInputs.pack` writes
+
+
+@dataclass(frozen=True, slots=True)
+class LoRASlotWrite:
+    """Rank 0 wrote LoRA device slot `slot` (adapter `name` read from `path`; both None: emptied), and so
+    must every other rank, from its own read of the adapter, before the next step."""
+
+    slot: int
+    """The device slot."""
+    name: str | None
+    """The adapter's name (None: the slot was emptied)."""
+    path: str | None
+    """Its PEFT directory, which every rank must be able to read (None: emptied)."""
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("FASTGEN_TP_TIMEOUT", "600"))
 """Seconds a collective may wait for a rank that is alive but silent (a dead one fails at once).
@@ -107,18 +121,28 @@ class StepChannel:
         dist.broadcast(header, self.src, group=self.group)
         dist.broadcast(payload, self.src, group=self.group)
 
+    def send_lora_writes(self, writes: list[LoRASlotWrite]) -> None:
+        """Rank 0: tell the other ranks which LoRA slots to write before the next step."""
+        dist.broadcast(torch.tensor([CMD_LORA] + [0] * (_HEADER_LEN - 1), dtype=torch.int64), self.src,
+                       group=self.group)
+        dist.broadcast_object_list([writes], self.src, group=self.group)
+
     def send_shutdown(self) -> None:
         """Rank 0: tell the other ranks to stop."""
         dist.broadcast(torch.tensor([CMD_SHUTDOWN] + [0] * (_HEADER_LEN - 1), dtype=torch.int64), self.src,
                        group=self.group)
 
-    def receive(self) -> HostStepInputs | None:
-        """Other ranks: the next step, or None when rank 0 says stop."""
+    def receive(self) -> HostStepInputs | list[LoRASlotWrite] | None:
+        """Other ranks: the next step, LoRA slot writes to make before it, or None when rank 0 says stop."""
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
         dist.broadcast(header, self.src, group=self.group)
         values = header.tolist()
         if values[0] == CMD_SHUTDOWN:
             return None
+        if values[0] == CMD_LORA:
+            box: list = [None]
+            dist.broadcast_object_list(box, self.src, group=self.group)
+            return box[0]
         if values[0] != CMD_STEP:
             raise RuntimeError(f"unknown tensor-parallel command {values[0]} from rank 0")
         payload = torch.empty(HostStepInputs.payload_size(values), dtype=torch.int64)
@@ -208,6 +232,10 @@ class TensorParallelGroup:
     def send_spec(self, spec: RunnerSpec) -> None:
         """Tell every worker what to build."""
         self._guard(lambda: self.channel.broadcast_spec(spec))
+
+    def send_lora_writes(self, writes: list[LoRASlotWrite]) -> None:
+        """Have every worker write these LoRA slots as rank 0 did (before the step that needs them)."""
+        self._guard(lambda: self.channel.send_lora_writes(writes))
 
     def run_step(self, host: HostStepInputs, execute: Callable[[HostStepInputs], torch.Tensor | None]):
         """Send a step to every worker, then run rank 0's share with `execute`; returns its result."""

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastgen.executor.distributed import (COLLECTIVE_TIMEOUT_S, StepChannel, TorchrunEnv, backend_for, metadata_group,
-                                 rank_device, worker_up_key)
+from fastgen.executor.distributed import (COLLECTIVE_TIMEOUT_S, LoRASlotWrite, StepChannel, TorchrunEnv, backend_for,
+                                          metadata_group, rank_device, worker_up_key)
 from fastgen.executor.runner import ModelRunner, load_for_spec
+from fastgen.models.lora import load_lora_adapter
 from fastgen.models.parallel import TensorParallel
 
 logger = logging.getLogger("fastgen")
@@ -45,8 +46,20 @@ def serve_rank(rank: int, world_size: int, device_type: str, env: TorchrunEnv | 
     parallel = TensorParallel(rank=rank, size=world_size, group=dist.group.WORLD)
     loaded = load_for_spec(spec, device, parallel)
     runner = ModelRunner(loaded.model, loaded.config, dataclasses.replace(spec, progress=False), device)
-    while (host := channel.receive()) is not None:
-        runner.execute(host)
+    while (message := channel.receive()) is not None:
+        if isinstance(message, list):
+            write_lora_slots(runner, message, spec.plan.dtype)
+        else:
+            runner.execute(message)
+
+
+def write_lora_slots(runner: ModelRunner, writes: list[LoRASlotWrite], dtype: torch.dtype) -> None:
+    """Make rank 0's LoRA slot writes on this rank: each adapter read from its directory again, this
+    rank's share kept (`LoRALinear.set_slot`)."""
+    for write in writes:
+        adapter = None if write.name is None else load_lora_adapter(write.name, write.path, runner.model,
+                                                                    runner.lora.max_rank, dtype)
+        runner.lora.write(write.slot, adapter)
 
 
 def serve_torchrun_rank(env: TorchrunEnv, device_type: str) -> None:

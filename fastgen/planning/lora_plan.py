@@ -46,11 +46,8 @@ class LoRAChoice:
     """A reason for each of `LORA_FIELDS`."""
 
 
-def _refusal(user: dict[str, Any], tp: int, offload: str) -> str | None:
+def _refusal(user: dict[str, Any], offload: str) -> str | None:
     """Why enable_lora cannot serve this plan (None: it can)."""
-    if tp > 1:
-        return (f"LoRA under tensor parallelism (tensor_parallel={tp}) is not implemented yet: the adapters' A and B "
-                "would be sharded like their base linears")
     if offload != "none":
         return (f"LoRA with offload={offload!r} is not implemented: the streamed layers would carry the adapter "
                 "slots, which are written while the layers are away")
@@ -69,7 +66,7 @@ def choose_lora(model: ModelFacts, user: dict[str, Any], dtype: torch.dtype, tp:
             raise ValueError(f"{set_anyway[0]} is set but enable_lora is not: pass enable_lora=True to serve adapters")
         why = "LoRA is off (enable_lora=True to serve adapters)"
         return LoRAChoice(False, 0, 0, 0, 0, {name: why for name in LORA_FIELDS})
-    blocker = _refusal(user, tp, offload)
+    blocker = _refusal(user, offload)
     if blocker is not None:
         raise ValueError(f"enable_lora=True cannot apply: {blocker}")
     reasons = {"enable_lora": "set by the user"}
@@ -93,6 +90,9 @@ def choose_lora(model: ModelFacts, user: dict[str, Any], dtype: torch.dtype, tp:
     stacks = lora_stack_bytes(model.lora_linears, max_loras, rank, dtype)
     reasons["max_loras"] += (f"; their stacks take {format_bytes(stacks)} ({max_loras} slots of rank {rank} over "
                              f"the {len(model.lora_linears)} adaptable linears), taken from the KV cache's room")
+    if tp > 1:
+        reasons["max_loras"] += (f"; each of the {tp} ranks holds its share (B's rows of a column-parallel linear, A's "
+                                 "columns of a row-parallel one), counted here at the whole")
     return LoRAChoice(True, max_loras, rank, max_cpu, stacks, reasons)
 
 

@@ -89,6 +89,8 @@ class StepExecutor:
         lora_slots = None if self.lora is None else self.lora.activate({c.seq.lora_id for c in chunks} - {0})
         host = build_host_inputs(chunks, self.block_manager, self.long_rope, lora_slots)
         if self.tp_group is not None:
+            if self.lora is not None and (writes := self.lora.take_writes()):
+                self.tp_group.send_lora_writes(writes)
             return self.tp_group.run_step(host, self.runner.execute)
         return self.runner.execute(host)
 
