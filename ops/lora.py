@@ -12,7 +12,10 @@ slot, the shrink, and an expand that reads only each section's own block of B. O
 SmolLM2-135M's four adapted linears of a layer, 4 adapters) it takes 55 us a layer at 16 rows against
 515 us for the torch ops below, and 0.5 against 1.3 ms at 256 rows.
 
-Elsewhere (a GPU, no compiler) it is punica's SGMV idea in torch ops. Once per step (`group_by_slot`) the
+On a GPU it is two Triton kernels (`fastgen.ops.triton_lora`): a shrink, and an expand per section, each
+row reading its own slot's A and B with no host sync.
+
+Elsewhere (a CPU without a compiler, `FASTGEN_CPU_KERNELS=off`) it is punica's SGMV idea in torch ops. Once per step (`group_by_slot`) the
 rows are laid out as a padded `[slots present, M]` grid, M the most rows any present adapter has (one host
 sync). Then each linear does one gather of its input rows, one batched shrink (`bmm` with A^T), one
 batched expand (`bmm` with B), one mask of the padding and one index-add into the output: five ops
@@ -95,6 +98,11 @@ def add_lora_(
     the step's `LoRAGrid`; `output_sizes` the linear's sections (`[out]` for an unmerged one)."""
     num_slots = int(meta[0])
     if num_slots == 0:
+        return
+    if output.is_cuda:
+        from fastgen.ops.triton_lora import triton_lora_delta  # noqa: PLC0415 - imports triton, only where it runs
+
+        triton_lora_delta(output, x, lora_a, lora_b, slot_ids, output_sizes)
         return
     if cpu_lora_delta(output, x, lora_a, lora_b, slot_ids, output_sizes):
         return

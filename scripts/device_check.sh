@@ -2,7 +2,8 @@
 # The GPU checks, as one call on a GPU machine (under 8 minutes; each step has its own time limit so
 # one hang cannot eat the rest):
 #   1. the Triton paged-attention and KV-write kernels compiled for real (not the interpreter) against
-#      the float64 oracle and the torch path: tests/test_triton_attention.py (and Gated DeltaNet's decode kernel, tests/test_triton_gated_delta.py) with FASTGEN_TRITON_DEVICE=cuda
+#      the float64 oracle and the torch path: tests/test_triton_attention.py (and Gated DeltaNet's decode kernel, tests/test_triton_gated_delta.py,
+#      and the LoRA shrink/expand kernels, tests/test_triton_lora.py) with FASTGEN_TRITON_DEVICE=cuda
 #   2. CUDA-graph capture and replay of every planned bucket against eager: tests/test_compiled_runner.py
 #   3. scripts/bench_graphs.py (per-bucket step time eager / compiled / graphs, capture cost, batch-1 bandwidth)
 #   4. scripts/bench_attention.py (Triton kernel vs torch reference)
@@ -52,7 +53,7 @@ step() {
 
 # Not tests/test_paged_attention.py: it runs Triton on CPU tensors through the interpreter, process-wide.
 step triton_kernels 120 env FASTGEN_TRITON_DEVICE=cuda "$PY" -m pytest -q -x -p no:cacheprovider \
-    tests/test_triton_attention.py tests/test_triton_gated_delta.py
+    tests/test_triton_attention.py tests/test_triton_gated_delta.py tests/test_triton_lora.py
 step cuda_graphs 120 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_compiled_runner.py -k "cuda_graphs"
 step bench_graphs 120 "$PY" scripts/bench_graphs.py --out "$OUT/graphs.json"
 step bench_attention 60 "$PY" scripts/bench_attention.py --json "$OUT/attention.json"
