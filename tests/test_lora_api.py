@@ -132,8 +132,6 @@ def test_engine_without_lora_refuses_adapters(lora_families):
     (dict(max_loras=2), "max_loras is set but enable_lora is not"),
     (dict(enable_lora=True, max_loras=-1), "max_loras must be >= 0"),
     (dict(enable_lora=True, offload="cpu"), "offload='cpu'"),
-    (dict(enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     "speculative decoding"),
 ])
 def test_plan_refuses_what_lora_cannot_run_with(overrides, message, lora_families):
     facts = model_facts(lora_families("llama").path)

@@ -194,3 +194,20 @@ def test_tp2_equals_peft_while_slots_are_rewritten(model_type, lora_families):
         assert [s.output_token_ids for s in seqs] == family.want["b"]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_keeps_each_adapters_tokens(method, lora_families):
+    """Verification rows run under their sequence's adapter, so greedy tokens stay peft's (and HF's for the
+    base). The draft model (here the base checkpoint itself) drafts without adapters: under an adapter it
+    proposes the base model's tokens, which verification rejects where they differ."""
+    family = lora_families("llama")
+    speculative = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+                   if method == "ngram" else {"model": family.path, "num_speculative_tokens": 3})
+    engine = make_engine(family, speculative_config={**speculative, "disable_by_batch_size": 64})
+    prompts, loras, want = mixed_call(family)
+    assert [s.output_token_ids for s in generate(engine, prompts, loras)] == want
+    stats = engine.speculator.stats
+    assert stats.num_draft_tokens > 0
+    if method == "draft_model":
+        assert stats.num_accepted_tokens < stats.num_draft_tokens  # the adapters' rows reject base drafts

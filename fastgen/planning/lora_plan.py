@@ -51,9 +51,6 @@ def _refusal(user: dict[str, Any], offload: str) -> str | None:
     if offload != "none":
         return (f"LoRA with offload={offload!r} is not implemented: the streamed layers would carry the adapter "
                 "slots, which are written while the layers are away")
-    if user.get("speculative_config") is not None:
-        return ("LoRA with speculative decoding is not implemented: the proposer would draft without the "
-                "requests' adapters")
     return None
 
 
