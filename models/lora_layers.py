@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fastgen.models.lora import LoRAAdapter
-from fastgen.models.parallel import SINGLE, RowParallelLinear, TensorParallel, all_reduce, read_merged_rows
+from fastgen.models.parallel import SINGLE, RowParallelLinear, TensorParallel, finish_row_parallel, read_merged_rows
 from fastgen.models.quant import quantizable_linears
 from fastgen.ops.lora import LoRAGrid, add_lora_, add_lora_op, group_by_slot
 
@@ -70,10 +70,10 @@ class LoRALinear(nn.Module):
         if hasattr(base, "full_sizes"):
             self.full_sizes, self.shard_starts = list(base.full_sizes), list(base.shard_starts)
         self.reduce = self.row_parallel and bool(getattr(base, "reduce", False))
-        """Whether this module, not its base, sums the ranks' partial products (and then adds the bias)."""
-        self.bias = None
+        """Whether this module, not its base, sums the ranks' partial products (and then adds the base's bias,
+        which stays the base's parameter: offload streams it with the base's weight)."""
         if self.reduce:
-            self.bias, base.bias, base.reduce = base.bias, None, False
+            base.reduce = False
         self.register_buffer("lora_a", torch.zeros(max_loras, self.rank, self.in_features, dtype=dtype,
                                                    device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, self.rank, self.out_features, dtype=dtype,
@@ -99,8 +99,8 @@ class LoRALinear(nn.Module):
             add(out.view(-1, self.out_features), x.reshape(-1, self.in_features), self.lora_a, self.lora_b,
                 grid.slot_ids, grid.rows, grid.valid, grid.meta, self.sections)
         if self.reduce:
-            out = all_reduce(out, self.tp)
-        return out if self.bias is None else out + self.bias
+            out = finish_row_parallel(out, self.base.bias, self.tp, True)
+        return out
 
     @torch.no_grad()
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, scale: float) -> None:

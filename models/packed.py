@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastgen.models.parallel import SINGLE, ParallelLMHead, RowParallelLinear, all_reduce, copy_parallel_layout
+from fastgen.models.parallel import SINGLE, ParallelLMHead, copy_parallel_layout, finish_row_parallel
 from fastgen.models.quant import quantizable_linears
 from fastgen.ops.gemv import gemv_groups, group_weight
 from fastgen.ops.packed_linear import apply_packed_linear, pack_linear_weight
@@ -43,7 +43,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.tp = getattr(linear, "tp", SINGLE)
-        self.reduce = isinstance(linear, RowParallelLinear) and self.tp.size > 1 and linear.reduce
+        self.reduce = getattr(linear, "reduce", True)
+        """Under tensor parallelism, whether a row-parallel layer sums its ranks' products itself."""
         # A buffer, not an attribute: regional compilation then passes it as a graph input, so the
         # layers keep sharing one graph.
         self.register_buffer("packed_weight", pack_linear_weight(linear.weight), persistent=False)
@@ -58,10 +59,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T (+ bias)` over the last dimension of `x` (this rank's input columns if row-parallel)."""
-        if not self.reduce:
+        if not (self.row_parallel and self.tp.size > 1):
             return apply_packed_linear(x, self.packed_weight, self.bias, self.out_features, self.gemv_weight)
-        out = all_reduce(apply_packed_linear(x, self.packed_weight, None, self.out_features, self.gemv_weight), self.tp)
-        return out if self.bias is None else out + self.bias
+        out = apply_packed_linear(x, self.packed_weight, None, self.out_features, self.gemv_weight)
+        return finish_row_parallel(out, self.bias, self.tp, self.reduce)
 
 
 class PackedLMHead(nn.Module):

@@ -157,11 +157,22 @@ def qkv_linear(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: in
                         shard_starts=[tp.rank * q_local, kv_start, kv_start])
 
 
+def finish_row_parallel(out: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel,
+                        reduce: bool) -> torch.Tensor:
+    """A row-parallel rank's partial product (no bias) summed over the ranks, then its bias; with
+    `reduce=False` the partial as it is: whoever sums it adds the bias once."""
+    if not reduce:
+        return out
+    out = all_reduce(out, tp)
+    return out if bias is None else out + bias
+
+
 class RowParallelLinear(nn.Linear):
     """A linear split along its input: each rank multiplies its slice, one all-reduce sums them.
 
     `reduce=False` leaves the partial sum for the caller to reduce together with others (a MoE
-    layer reduces its routed experts and shared expert once). The bias is added once, after the sum.
+    layer reduces its routed experts and shared expert once; a LoRA linear adds its delta first). The
+    bias is added once, after the sum: by whoever sums it (`finish_row_parallel`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE,
@@ -174,10 +185,7 @@ class RowParallelLinear(nn.Linear):
         """`x` holds this rank's input columns."""
         if self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
-        out = F.linear(x, self.weight)
-        if self.reduce:
-            out = all_reduce(out, self.tp)
-        return out if self.bias is None else out + self.bias
+        return finish_row_parallel(F.linear(x, self.weight), self.bias, self.tp, self.reduce)
 
     def load_checkpoint_shard(self, attr: str, shard: int | None, full) -> torch.Tensor:
         """This rank's input columns of the weight; the bias whole."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastgen.models.parallel import SINGLE, ParallelLMHead, RowParallelLinear, all_reduce, copy_parallel_layout
+from fastgen.models.parallel import SINGLE, ParallelLMHead, copy_parallel_layout, finish_row_parallel
 
 QUANTIZATIONS = ("none", "int8", "int4")
 """`quantization` settings: full precision, int8 per output channel, int4 group-wise."""
@@ -101,7 +101,8 @@ class QuantizedLinear(nn.Module):
         self.bias = linear.bias
         self.tp = getattr(linear, "tp", SINGLE)
         # A row-parallel layer sums the ranks' partial products before its bias (as RowParallelLinear does).
-        self.reduce = isinstance(linear, RowParallelLinear) and self.tp.size > 1 and linear.reduce
+        self.reduce = getattr(linear, "reduce", True)
+        """Under tensor parallelism, whether a row-parallel layer sums its ranks' products itself."""
         copy_parallel_layout(linear, self)
         if hasattr(linear, "load_checkpoint_shard"):
             self.load_checkpoint_shard = linear.load_checkpoint_shard
@@ -181,8 +182,8 @@ class QuantizedLinear(nn.Module):
         else:
             raise RuntimeError("QuantizedLinear ran before its weight was loaded")
         out = out.view(*x.shape[:-1], self.out_features)
-        if self.reduce:
-            out = all_reduce(out, self.tp)
+        if self.row_parallel and self.tp.size > 1:
+            return finish_row_parallel(out, self.bias, self.tp, self.reduce)
         return out if self.bias is None else out + self.bias
 
 

@@ -131,7 +131,6 @@ def test_engine_without_lora_refuses_adapters(lora_families):
     (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "max_cpu_loras \\(2\\) must be at least max_loras"),
     (dict(max_loras=2), "max_loras is set but enable_lora is not"),
     (dict(enable_lora=True, max_loras=-1), "max_loras must be >= 0"),
-    (dict(enable_lora=True, offload="cpu"), "offload='cpu'"),
 ])
 def test_plan_refuses_what_lora_cannot_run_with(overrides, message, lora_families):
     facts = model_facts(lora_families("llama").path)

@@ -211,3 +211,18 @@ def test_speculative_decoding_keeps_each_adapters_tokens(method, lora_families):
     assert stats.num_draft_tokens > 0
     if method == "draft_model":
         assert stats.num_accepted_tokens < stats.num_draft_tokens  # the adapters' rows reject base drafts
+
+
+@pytest.mark.parametrize("model_type,tp", [("llama", 1), ("phi", 2)], ids=["llama", "phi-tp2"])
+def test_offloaded_layers_keep_their_adapters(model_type, tp, lora_families):
+    """Offload streams the base weights (phi's row-parallel biases included, under TP still the base's
+    parameters) while the stacks stay resident: greedy tokens equal peft's with every layer streamed."""
+    family = lora_families(model_type)
+    engine = make_engine(family, offload="disk", weight_memory=0.8, tensor_parallel=tp)
+    try:
+        assert "stay resident" in engine.plan.reasons["max_loras"]
+        prompts, loras, want = mixed_call(family)
+        assert [s.output_token_ids for s in generate(engine, prompts, loras)] == want
+        assert engine.runner.offload.snapshot().streamed_layers > 0
+    finally:
+        engine.shutdown()

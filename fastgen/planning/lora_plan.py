@@ -46,14 +46,6 @@ class LoRAChoice:
     """A reason for each of `LORA_FIELDS`."""
 
 
-def _refusal(user: dict[str, Any], offload: str) -> str | None:
-    """Why enable_lora cannot serve this plan (None: it can)."""
-    if offload != "none":
-        return (f"LoRA with offload={offload!r} is not implemented: the streamed layers would carry the adapter "
-                "slots, which are written while the layers are away")
-    return None
-
-
 def choose_lora(model: ModelFacts, user: dict[str, Any], dtype: torch.dtype, tp: int, offload: str) -> LoRAChoice:
     """The LoRA fields for `model` from the user's overrides (`normalise_overrides`' output); ValueError,
     naming the field, for values LoRA cannot run with here."""
@@ -63,9 +55,6 @@ def choose_lora(model: ModelFacts, user: dict[str, Any], dtype: torch.dtype, tp:
             raise ValueError(f"{set_anyway[0]} is set but enable_lora is not: pass enable_lora=True to serve adapters")
         why = "LoRA is off (enable_lora=True to serve adapters)"
         return LoRAChoice(False, 0, 0, 0, 0, {name: why for name in LORA_FIELDS})
-    blocker = _refusal(user, offload)
-    if blocker is not None:
-        raise ValueError(f"enable_lora=True cannot apply: {blocker}")
     reasons = {"enable_lora": "set by the user"}
 
     def pick(name: str, default: int, why: str) -> int:
@@ -87,6 +76,9 @@ def choose_lora(model: ModelFacts, user: dict[str, Any], dtype: torch.dtype, tp:
     stacks = lora_stack_bytes(model.lora_linears, max_loras, rank, dtype)
     reasons["max_loras"] += (f"; their stacks take {format_bytes(stacks)} ({max_loras} slots of rank {rank} over "
                              f"the {len(model.lora_linears)} adaptable linears), taken from the KV cache's room")
+    if offload != "none":
+        reasons["max_loras"] += (f"; with offload={offload!r} they stay resident (slots are written between steps, "
+                                 "whichever layers are streamed out)")
     if tp > 1:
         reasons["max_loras"] += (f"; each of the {tp} ranks holds its share (B's rows of a column-parallel linear, A's "
                                  "columns of a row-parallel one), counted here at the whole")
