@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from fastgen.ops.cpu_kernels.decode import MAX_QUERY_LEN, cpu_decode_rows
+from fastgen.ops.cpu_kernels.decode import MAX_QUERY_LEN, cpu_decode_rows, kernel_query_len
 from fastgen.ops.decode_attention import attend_decode_rows
 from fastgen.ops.kv_cache import gather_blocks, kv_slots, write_kv_cache
 from fastgen.ops.triton_attention import triton_paged_attention
@@ -140,8 +140,8 @@ def torch_paged_attention(
     Returns `[T, num_q_heads, head_dim]`, zeros for padded tokens. `step_plans`
     (`AttentionMetadata.step_plans`): what the first layer of a step works out from the metadata,
     kept for the other layers; None works it out for this call only. `kernels`: the rows of sequences
-    with at most `MAX_QUERY_LEN` query tokens go to the C++ CPU kernel where it serves the call
-    (`cpu_paged_attention`).
+    with at most `MAX_QUERY_LEN` query tokens, and of longer chunks over short contexts (`kernel_query_len`),
+    go to the C++ CPU kernel where it serves the call (`cpu_paged_attention`).
     """
     # The CPU flash kernel reads each head's vector as if its elements were adjacent, whatever the
     # strides say (torch 2.13: a query with a last-dim stride of 2 gave wrong outputs, no error). The C++
@@ -159,8 +159,10 @@ def torch_paged_attention(
         chunks = [(s, starts[s], starts[s + 1], n) for s, n in enumerate(lens)
                   if n > 0 and starts[s + 1] - starts[s] > 1]
         plans["offsets"] = starts, single, chunks
-        # Whether any sequence has a query short enough for the C++ kernel (`cpu_paged_attention`).
-        plans["short"] = bool(single) or any(q_end - q_start <= MAX_QUERY_LEN for _, q_start, q_end, _ in chunks)
+        # The longest query the C++ kernel takes this step (`cpu_paged_attention`), and whether any has one.
+        plans["kernel_query_len"] = kernel_query_len([(q_end - q_start, n) for _, q_start, q_end, n in chunks])
+        plans["short"] = bool(single) or any(q_end - q_start <= plans["kernel_query_len"]
+                                             for _, q_start, q_end, _ in chunks)
         plans["slots"] = kv_slots(slot_mapping, k_cache.shape[1])
     starts, single, chunks = plans["offsets"]
     # Every token's K/V is written before any sequence attends: a sequence admitted with a prefix-cache
@@ -169,15 +171,15 @@ def torch_paged_attention(
     out = torch.zeros_like(query)
     block_size = k_cache.shape[1]
     short = kernels and plans["short"]
-    kernel_query_len = MAX_QUERY_LEN if short else 0
+    max_query_len = plans["kernel_query_len"] if short else 0
     if not (short and cpu_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      sliding_window, softcap, sinks, attention_chunk, out, kernel_query_len)):
-        kernel_query_len = 0
+                                      sliding_window, softcap, sinks, attention_chunk, out, max_query_len)):
+        max_query_len = 0
         if single:
             attend_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, single, [starts[s] for s in single],
                                scale, sliding_window, softcap, out, plans, sinks, attention_chunk)
     for s, q_start, q_end, seq_len in chunks:
-        if q_end - q_start <= kernel_query_len:
+        if q_end - q_start <= max_query_len:
             continue  # attended by the kernel above
         # With chunked attention no query of this step sees a key before its first query's chunk: the
         # keys start there, a chunk start, so the mask's chunks (counted from key 0) stay the real ones.
@@ -199,9 +201,10 @@ def torch_paged_attention(
 
 def cpu_paged_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
     """`torch_paged_attention` with `kernels=True` (the backend "cpu"): the rows of every sequence with at
-    most `MAX_QUERY_LEN` query tokens (decode rows, speculative verification rows, short prompt chunks)
-    attended by fastgen's C++ CPU kernel in one call (`fastgen.ops.cpu_kernels`); longer prompt chunks, and
-    every row where the kernel is off, unbuilt or does not take the call's shapes, stay on the torch path."""
+    most `MAX_QUERY_LEN` query tokens (decode rows, speculative verification rows, short prompt chunks), and
+    of longer chunks over short contexts (`kernel_query_len`), attended by fastgen's C++ CPU kernel in one
+    call (`fastgen.ops.cpu_kernels`); the other chunks, and every row where the kernel is off, unbuilt or
+    does not take the call's shapes, stay on the torch path."""
     return torch_paged_attention(*args, **kwargs, kernels=True)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
+import subprocess
 import time
 
 import numpy as np
@@ -155,3 +157,21 @@ def run_all(engine: fastgen.Engine, requests: list[tuple[list[int], int]]) -> No
         engine.add_request(prompt, fastgen.SamplingParams(do_sample=False, max_new_tokens=out_len, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s: never leave the server behind."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

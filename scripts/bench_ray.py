@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,15 +33,12 @@ import time
 import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+from bench_common import free_port  # noqa: E402
 ENGINE = {"progress": False}
 CORES = 2
 """The cores the configurations share: Ray's cluster has this many CPUs, the direct server this many threads."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def _load(base: str, model: str, requests: int, concurrency: int, max_tokens: int, stream: bool) -> dict:
@@ -90,7 +86,7 @@ class Direct:
     name = "direct scripts/serve.py"
 
     def __init__(self, model: str | None) -> None:
-        port, self.rest_port = _free_port(), _free_port()
+        port, self.rest_port = free_port(), free_port()
         # One engine with every core, as the single Serve replica: the policy could plan several replicas.
         argv = [sys.executable, os.path.join(REPO, "scripts", "serve.py"), "--port", str(port), "--enable-restful-api",
                 "--restful-api-port", str(self.rest_port), "--deployment-name", "bench-ray-direct", "--no-progress",
@@ -153,7 +149,7 @@ def main() -> None:
     from fastgen.engine import DEMO_MODEL_DIR
 
     ray.init(num_cpus=CORES, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    proxy_port = _free_port()
+    proxy_port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
     proxy = f"http://127.0.0.1:{proxy_port}"
     model_id = args.model or os.path.basename(DEMO_MODEL_DIR)  # the id both servers list in /v1/models

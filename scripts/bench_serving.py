@@ -44,7 +44,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,7 +54,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import torch
 import transformers
-from bench_common import (build_llama_checkpoint, latency_summary, pyplot_or_none, run_all, run_offline, workload,
+from bench_common import (build_llama_checkpoint, free_port, latency_summary, pyplot_or_none, run_all, run_offline, stop_server, workload,
                           write_json)
 
 import fastgen
@@ -64,13 +63,6 @@ from fastgen.engine import EngineLoop, submit_group
 SMOOTH_WINDOW = 8
 REPEAT_SEED = 1000  # seed offset between repeats of the top level (levels use seed + i, Poisson seed + 100 + j)
 WARM_SEED = 500  # seed offset of the requests an offline run's engine serves untimed first
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args: argparse.Namespace, model: str, port: int, log_path: str) -> subprocess.Popen:
@@ -102,17 +94,6 @@ def wait_healthy(proc: subprocess.Popen, client, timeout: float, log_path: str) 
             pass
         time.sleep(0.5)
     raise TimeoutError(f"serve.py was not healthy after {timeout:.0f} s (log: {log_path})")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after 30 s: never leave the server behind."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def process_cpu_seconds(pid: int) -> dict[str, float]:

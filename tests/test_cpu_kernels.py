@@ -33,6 +33,7 @@ from test_paged_attention import _Harness, _run_batch, _Seq  # the harness every
 CPU_OP = torch.ops.fastgen.paged_attention_cpu
 # The module, not the op `fastgen.ops` exports under the same name.
 paged_attention_module = importlib.import_module("fastgen.ops.paged_attention")
+decode_module = importlib.import_module("fastgen.ops.cpu_kernels.decode")
 GIB = 1 << 30
 
 
@@ -152,13 +153,25 @@ def test_multi_row_queries_through_the_kernel(kernel_isa, dtype, flags):
     assert torch.count_nonzero(out[~served]) == 0
 
 
+def test_kernel_query_len_takes_long_chunks_only_over_short_contexts(monkeypatch):
+    """Up to `MAX_QUERY_LEN` always; a longer chunk while query tokens x sequence length stay within
+    `MAX_CHUNK_PAIRS`; never a length at or above the first chunk that exceeds it."""
+    monkeypatch.setattr(decode_module, "MAX_CHUNK_PAIRS", 1000)
+    assert decode_module.kernel_query_len([]) == decode_module.MAX_QUERY_LEN
+    assert decode_module.kernel_query_len([(3, 5000), (20, 40)]) == 20  # a short row over a long context too
+    assert decode_module.kernel_query_len([(20, 40), (30, 40), (25, 100)]) == 20  # 25 x 100 exceeds it: not 30
+    assert decode_module.kernel_query_len([(20, 40), (20, 500)]) == decode_module.MAX_QUERY_LEN
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_op_sends_queries_up_to_max_query_len_to_the_kernel(kernel_only, dtype, monkeypatch):
     """Through `paged_attention_cpu`: decode rows, a verification-shaped row (1 + 4 drafts) and a chunk of
     exactly `MAX_QUERY_LEN` tokens over earlier context go to the kernel; only the longer chunks (one
-    over cached context, one a first chunk) take the torch path; all match the oracle."""
+    over cached context, one a first chunk) take the torch path, with `MAX_CHUNK_PAIRS` below them; all
+    match the oracle. With it above them, every chunk goes to the kernel."""
     from fastgen.ops.cpu_kernels import MAX_QUERY_LEN
 
+    monkeypatch.setattr(decode_module, "MAX_CHUNK_PAIRS", MAX_QUERY_LEN * 9)
     long_rows = []
     real = paged_attention_module._attend_one
     monkeypatch.setattr(paged_attention_module, "_attend_one",
@@ -171,6 +184,10 @@ def test_the_op_sends_queries_up_to_max_query_len_to_the_kernel(kernel_only, dty
     h.step([(seqs[0], 1), (seqs[1], 5), (seqs[2], MAX_QUERY_LEN), (seqs[3], MAX_QUERY_LEN + 1), (seqs[4], 1),
             (seqs[5], MAX_QUERY_LEN + 3)], pad_tokens=2, pad_rows=1, op=CPU_OP)
     assert sorted(long_rows) == [MAX_QUERY_LEN + 1, MAX_QUERY_LEN + 3]
+    monkeypatch.setattr(decode_module, "MAX_CHUNK_PAIRS", 1 << 20)
+    long_rows.clear()
+    h.step([(seqs[0], 1), (seqs[3], MAX_QUERY_LEN + 2), (seqs[5], 2 * MAX_QUERY_LEN + 5)], pad_tokens=1, op=CPU_OP)
+    assert long_rows == []
 
 
 @pytest.mark.parametrize("isa", ["avx512_bf16", "avx512", "avx2"])

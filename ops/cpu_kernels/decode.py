@@ -15,12 +15,29 @@ MAX_GROUP = 16
 """Most query heads per KV head the kernel takes (`kMaxGroup`)."""
 
 MAX_QUERY_LEN = 16
-"""Longest query (one sequence's tokens in a step) sent to the kernel: a decode row, a verification row (1 +
-its drafts), a short prompt chunk. The kernel reads a sequence's keys once per query token, while torch's
-flash path over a longer chunk reads them once for all its rows after gathering them from the blocks."""
+"""Longest query (one sequence's tokens in a step) always sent to the kernel, whatever its context: a decode
+row, a verification row (1 + its drafts), a short prompt chunk. The kernel reads a sequence's keys once per
+query token, while torch's flash path over a longer chunk reads them once for all its rows after gathering
+them from the blocks: longer chunks take the kernel only within `MAX_CHUNK_PAIRS`."""
+
+MAX_CHUNK_PAIRS = 1 << 18
+"""Longer prompt chunks go to the kernel too while their query tokens x the sequence's length stay within
+this. There the kernel, reading a sequence's keys once per query token from cache, beats gathering the
+blocks for torch's flash kernel; deeper or longer chunks it does not (2-core EPYC, SmolLM2-135M bf16,
+prefill tok/s kernel against torch: a 512-token first chunk 1035 / 907, chunks of 300 + 212 tokens 1310 /
+1045, four of 128 1383 / 1117; a 1024-token first chunk 916 / 909; a 2048-token one 648 / 740; a 3000-token
+prompt in 512-token chunks 414 / 516)."""
 
 MAX_HEAD_DIM = 512
 """Largest head dim the kernel takes (`kMaxHeadDim`); it must also be a multiple of 16."""
+
+
+def kernel_query_len(chunks: list[tuple[int, int]]) -> int:
+    """The longest query (a sequence's tokens in the step) the kernel takes in a step whose sequences have
+    `chunks` (query tokens, sequence length after the step): `MAX_QUERY_LEN`, or a longer chunk's length
+    while every chunk up to it keeps within `MAX_CHUNK_PAIRS` (the kernel takes every query up to one length)."""
+    refused = min((q for q, n in chunks if q > MAX_QUERY_LEN and q * n > MAX_CHUNK_PAIRS), default=None)
+    return max([MAX_QUERY_LEN] + [q for q, _ in chunks if refused is None or q < refused])
 
 
 def kernel_serves(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
