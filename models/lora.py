@@ -254,6 +254,7 @@ def load_lora_adapter(name: str, path: str, model: nn.Module, max_lora_rank: int
             for j in range(len(sizes)) if shard is None else (shard,):
                 start = sum(sizes[:j])
                 a_full[j * rank:(j + 1) * rank] = a
-                b_full[start:start + sizes[j], j * rank:(j + 1) * rank] = b if shard is not None else b[start:start + sizes[j]]
+                rows = b if shard is not None else b[start:start + sizes[j]]
+                b_full[start:start + sizes[j], j * rank:(j + 1) * rank] = rows
         modules[ours] = LoRAModule(a=a_full, b=b_full)
     return LoRAAdapter(name=name, path=path, rank=rank, scale=scale, modules=modules)

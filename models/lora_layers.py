@@ -59,7 +59,8 @@ class LoRALinear(nn.Module):
         """The output sections whose adapter pairs each own `max_rank` ranks (one for an unmerged linear)."""
         self.rank = max_rank * len(self.sections)
         self.tp: TensorParallel = getattr(base, "tp", SINGLE)
-        self.row_parallel = self.tp.size > 1 and bool(getattr(base, "row_parallel", isinstance(base, RowParallelLinear)))
+        split_input = getattr(base, "row_parallel", isinstance(base, RowParallelLinear))
+        self.row_parallel = self.tp.size > 1 and bool(split_input)
         """Whether the input is split over the ranks: A is split like the base's weight columns, and the
         delta joins the rank's partial product before the all-reduce."""
         if self.tp.size > 1 and not self.row_parallel and not hasattr(base, "full_sizes"):

@@ -15,12 +15,12 @@ SmolLM2-135M's four adapted linears of a layer, 4 adapters) it takes 55 us a lay
 On a GPU it is two Triton kernels (`fastgen.ops.triton_lora`): a shrink, and an expand per section, each
 row reading its own slot's A and B with no host sync.
 
-Elsewhere (a CPU without a compiler, `FASTGEN_CPU_KERNELS=off`) it is punica's SGMV idea in torch ops. Once per step (`group_by_slot`) the
-rows are laid out as a padded `[slots present, M]` grid, M the most rows any present adapter has (one host
-sync). Then each linear does one gather of its input rows, one batched shrink (`bmm` with A^T), one
-batched expand (`bmm` with B), one mask of the padding and one index-add into the output: five ops
-whatever the number of adapters, against three per adapter for a loop over them. Steps whose adapters
-fill only part of the stack gather the present slots' A and B first.
+Elsewhere (a CPU without a compiler, `FASTGEN_CPU_KERNELS=off`) it is punica's SGMV idea in torch ops.
+Once per step (`group_by_slot`) the rows are laid out as a padded `[slots present, M]` grid, M the most
+rows any present adapter has (one host sync). Then each linear does one gather of its input rows, one
+batched shrink (`bmm` with A^T), one batched expand (`bmm` with B), one mask of the padding and one
+index-add into the output: five ops whatever the number of adapters, against three per adapter for a
+loop over them. Steps whose adapters fill only part of the stack gather the present slots' A and B first.
 
 `add_lora_op` is the same function registered as the custom op `fastgen::add_lora_`, which
 `torch.compile` treats as opaque (it reads the grid's size on the host).

@@ -54,8 +54,8 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import torch
 import transformers
-from bench_common import (build_llama_checkpoint, free_port, latency_summary, pyplot_or_none, run_all, run_offline, stop_server, workload,
-                          write_json)
+from bench_common import (build_llama_checkpoint, free_port, latency_summary, pyplot_or_none, run_all, run_offline,
+                          stop_server, workload, write_json)
 
 import fastgen
 from fastgen.engine import EngineLoop, submit_group

@@ -2,10 +2,10 @@
 
 The sources ship in the package and are compiled by torch's extension toolchain
 (`torch.utils.cpp_extension.load`: the compiler and headers Inductor's CPU backend needs anyway) into
-`$FASTGEN_CACHE/cpu_kernels/<isa>-<key>`, one library per variant, where the key hashes the sources, the variant's flags, torch's
-version and the compiler. A second process finds the library there and only loads it. Where the build
-fails (no compiler, no ninja, a compiler error) the caller gets None and one log line, and every kernel's
-caller runs its torch path.
+`$FASTGEN_CACHE/cpu_kernels/<isa>-<key>`, one library per variant, where the key hashes the sources, the
+variant's flags, torch's version and the compiler. A second process finds the library there and only
+loads it. Where the build fails (no compiler, no ninja, a compiler error) the caller gets None and one
+log line, and every kernel's caller runs its torch path.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def _load_library(isa: str) -> bool:
 
         os.makedirs(directory, exist_ok=True)
         _drop_stale_lock(directory)
-        torch.utils.cpp_extension.load(name=name, sources=list(SOURCES), extra_cflags=[*ISA_FLAGS[isa], f"-DFASTGEN_ISA={isa}"],
+        torch.utils.cpp_extension.load(name=name, sources=list(SOURCES),
+                                       extra_cflags=[*ISA_FLAGS[isa], f"-DFASTGEN_ISA={isa}"],
                                        extra_include_paths=[os.path.dirname(HEADERS[0])], extra_ldflags=["-fopenmp"],
                                        build_directory=directory, is_python_module=False)
     except Exception as exc:  # noqa: BLE001 - any failure to build means the torch path, never an error
