@@ -92,6 +92,18 @@ def test_cuda_graphs_replay_every_bucket(model_type, tiny_checkpoints):
     assert graphed == eager
 
 
+def test_eager_cpu_runner_warms_up_one_full_step(tiny_checkpoints):
+    """An eager CPU runner runs one all-padding step of its token budget at start (capped for large
+    budgets), touching no KV block (the parity tests check what eager runners serve after it)."""
+    from fastgen.executor.runner import EAGER_WARMUP_TOKENS
+
+    tokens, pipe = _generate(tiny_checkpoints["llama"])
+    assert list(pipe.engine.runner.warmup_seconds) == [SMALL["token_budget"]]
+    assert pipe.engine.block_manager.num_free_blocks == SMALL["num_kv_blocks"]
+    big = fastgen.pipeline(tiny_checkpoints["llama"], **{**SMALL, "token_budget": 2 * EAGER_WARMUP_TOKENS})
+    assert list(big.engine.runner.warmup_seconds) == [EAGER_WARMUP_TOKENS]
+
+
 def test_cpu_plan_picks_no_buckets(tiny_checkpoints):
     plan = fastgen.pipeline(tiny_checkpoints["llama"], **SMALL, compile="default").engine.plan
     assert plan.buckets == () and "exact size" in plan.reasons["buckets"]
