@@ -17,7 +17,7 @@ A family subclass sets:
 - `layer_cls(config, layer_idx, rotary)`: its block, whose forward is
   `(positions, hidden, attn_metadata, kv_cache) -> hidden`;
 - `packed_modules_mapping` (and `stacked_experts_mapping`, `adapt_checkpoint_tensor`) for the
-  checkpoint names that differ from its modules';
+  checkpoint names that differ from its modules' (LoRA adapters follow them: `adapt_lora_pair`);
 - any of the hooks below it changes: `model_config`, `build_rotary`, `build_norm`, `embed`,
   `finish`, `process_logits`.
 """
@@ -85,6 +85,10 @@ class DecoderLM(nn.Module):
     """HF recomputes a sequence with LongRoPE's long factors once it outgrows the original length."""
     supported_layer_types: ClassVar[frozenset[str]] = frozenset({"full_attention", "sliding_attention"})
     """The `layer_types` entries the family implements; any other fails at load, naming it."""
+    conv1d_modules: ClassVar[tuple[str, ...]] = ()
+    """Modules (dotted name suffixes, `attn.c_attn`) HF keeps as `Conv1D`, weight stored `[in, out]`: PEFT
+    marks adapters of them `fan_in_fan_out`, which changes only how PEFT merges them (its A and B are a
+    Linear's either way)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -140,6 +144,26 @@ class DecoderLM(nn.Module):
     def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's fp32 logits after the family's last touch (soft-capping, scaling)."""
         return logits
+
+    def adapt_lora_pair(self, hf_module: str, a: torch.Tensor, b: torch.Tensor
+                        ) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+        """A LoRA pair of HF module `hf_module` (A `[r, in]`, B `[out, r]`) under our module name and
+        layout, or None when the loader skips that module's weights (HF ignores it too).
+
+        A family's `adapt_checkpoint_tensor(name, tensor)`, when it has one, sees B as the module's
+        weight: B's rows are the linear's output rows, so the hook's renames, skips and reorderings of a
+        weight's rows serve B as they serve the weight, and A (its input side) stays as it is. A family
+        whose hook rewrites a linear's weight in any other way (GPT-2's `[in, out]` Conv1D transpose,
+        which an adapter's pair does not share) overrides this.
+        """
+        adapt = getattr(self, "adapt_checkpoint_tensor", None)
+        if adapt is None:
+            return hf_module, a, b
+        adapted = adapt(f"{hf_module}.weight", b)
+        if adapted is None:
+            return None
+        name, b = adapted
+        return name.removesuffix(".weight"), a, b
 
     # --- the shell -------------------------------------------------------------------------------
 

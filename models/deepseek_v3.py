@@ -176,6 +176,16 @@ class DeepseekV3ForCausalLM(DecoderLM):
     # The multi-token-prediction layers past the decoder's (DeepSeek-V3's layer 61) are skipped, as GLM-4.5's.
     adapt_checkpoint_tensor = Glm4MoeForCausalLM.adapt_checkpoint_tensor
 
+    def adapt_lora_pair(self, hf_module: str, a: torch.Tensor, b: torch.Tensor
+                        ) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+        """`DecoderLM.adapt_lora_pair`; ValueError for `kv_b_proj`, whose weight the attention reads per head."""
+        adapted = super().adapt_lora_pair(hf_module, a, b)
+        if adapted is not None and adapted[0].endswith(".kv_b_proj"):
+            raise ValueError(f"{hf_module} cannot carry LoRA: fastgen absorbs its weight into each head's query "
+                             "and output (attention over the latent cache), so it never runs as a linear whose "
+                             "output an adapter's delta could join")
+        return adapted
+
     @classmethod
     def model_config(cls, config: ModelConfig) -> ModelConfig:
         """`config` as is, once what it asks for that this file does not implement is refused."""

@@ -7,7 +7,8 @@ gelu_new MLP (`c_fc`/`c_proj`) and a tied LM head. Attention is scaled by head_d
 GPT-2's checkpoints store their projections as `Conv1D` weights `[in, out]`: we keep the shared
 attention and MLP (tensor-parallel linears) and transpose and rename those tensors at load time
 (`adapt_checkpoint_tensor`), which also accepts old files whose names lack the `transformer.` prefix and skips the causal-mask
-buffers (`attn.bias`, `attn.masked_bias`) they saved.
+buffers (`attn.bias`, `attn.masked_bias`) they saved. LoRA adapters of those modules take the same names
+(`adapt_lora_pair`) but no transpose: PEFT's A `[r, in]` and B `[out, r]` are a Linear's for a Conv1D too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ _MASK_BUFFERS = ("bias", "masked_bias")
 # GPT-2's module names -> the shared attention's and MLP's (both call their output `c_proj`).
 _RENAMES = {".attn.qkv_proj.": ".attn.c_attn.", ".attn.o_proj.": ".attn.c_proj.", ".mlp.fc1.": ".mlp.c_fc.",
             ".mlp.fc2.": ".mlp.c_proj."}
+
+
+def _our_name(name: str) -> str:
+    """Our name for a GPT-2 checkpoint name: the `transformer.` prefix old files lack, and HF's module names
+    replaced by the shared attention's and MLP's."""
+    if not name.startswith(("transformer.", "lm_head.")):
+        name = "transformer." + name
+    for ours, theirs in _RENAMES.items():
+        name = name.replace(theirs, ours)
+    return name
 
 
 def check_gpt2_config(config: ModelConfig) -> None:
@@ -80,6 +91,7 @@ class GPT2LMHeadModel(DecoderLM):
 
     names = ShellNames(base="transformer", embed="wte", layers="h", norm="ln_f")
     layer_cls = GPT2Block
+    conv1d_modules = tuple(name.removesuffix(".weight") for name in _CONV1D_WEIGHTS)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -108,10 +120,11 @@ class GPT2LMHeadModel(DecoderLM):
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] == "attn" and parts[-1] in _MASK_BUFFERS:
             return None
-        if not name.startswith(("transformer.", "lm_head.")):
-            name = "transformer." + name
         if name.endswith(_CONV1D_WEIGHTS):
             tensor = tensor.t()
-        for ours, theirs in _RENAMES.items():
-            name = name.replace(theirs, ours)
-        return name, tensor
+        return _our_name(name), tensor
+
+    def adapt_lora_pair(self, hf_module: str, a: torch.Tensor, b: torch.Tensor
+                        ) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """The pair under our module name, as it is: only the base weight of a Conv1D is stored `[in, out]`."""
+        return _our_name(f"{hf_module}.weight").removesuffix(".weight"), a, b

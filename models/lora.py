@@ -15,10 +15,20 @@ B). So one
 shrink and one expand serve the merged linear (`fastgen.ops.lora`), and the expand can read each
 projection's block alone. The scale is `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`.
 
+Families whose checkpoint layout is rewritten at load (GPT-2, OPT, Falcon, Gemma 4, Llama 4, gpt-oss,
+GLM-4.5, DeepSeek-V3, Qwen3.5 / Qwen3-Next) map each pair the way their weights go
+(`DecoderLM.adapt_lora_pair`): the same renames, B's rows reordered as the weight's are (Llama 4's q/k
+heads, Falcon's and Qwen3-Next's grouped projections), and the pairs of modules the loader skips
+(Gemma 4's K/V projections of KV-sharing layers, multi-token-prediction layers, Qwen3.5's vision tower)
+dropped, as HF ignores those modules too. PEFT writes `fan_in_fan_out` for GPT-2's Conv1D modules: it
+changes only how PEFT merges a pair (its A and B are a Linear's), so it is taken there and refused on
+a module HF keeps as a Linear.
+
 Every problem is a ValueError naming it, before anything is handed out: missing or corrupt files,
-a rank over `max_lora_rank`, a target the model does not have, shapes that do not fit the base, and
-the PEFT features not implemented (DoRA, LoRA biases, `modules_to_save`, per-module rank/alpha
-patterns, adapted embeddings or LM head, `fan_in_fan_out`).
+a rank over `max_lora_rank`, a target the model does not have, shapes that do not fit the base, a
+module the family cannot adapt (DeepSeek-V3's absorbed `kv_b_proj`), and the PEFT features not
+implemented (DoRA, LoRA biases, `modules_to_save`, `target_parameters`, per-module rank/alpha patterns,
+adapted embeddings or LM head).
 """
 
 from __future__ import annotations
@@ -76,8 +86,8 @@ def _refuse_unsupported(config: dict, where: str) -> None:
     refused = {
         "use_dora": "DoRA (use_dora) is not supported",
         "lora_bias": "LoRA biases (lora_bias) are not supported",
-        "fan_in_fan_out": "fan_in_fan_out (Conv1D-layout) adapters are not supported",
         "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
+        "target_parameters": "target_parameters (LoRA on parameters, e.g. MoE expert stacks) is not supported",
         "rank_pattern": "per-module ranks (rank_pattern) are not supported",
         "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
         "trainable_token_indices": "trainable_token_indices is not supported",
@@ -136,11 +146,14 @@ def _linears(model: nn.Module) -> dict[str, nn.Module]:
             if not (name.endswith(".base") and hasattr(linears.get(name[:-len(".base")]), "lora_a"))}
 
 
-def _known_targets(model: nn.Module, linears: dict[str, nn.Module]) -> set[str]:
-    """The `target_modules` names an adapter of this model may use: HF's and ours (leaf names)."""
+def _known_targets(model: nn.Module, linears: dict[str, nn.Module], hf_modules: set[str]) -> set[str]:
+    """The `target_modules` names an adapter of this model may use (leaf names): ours, HF's that the
+    packing maps onto ours, and those of the modules the adapter's weights name (each is checked on its
+    own: it must map onto a linear, or onto a module the loader skips)."""
     leaves = {name.rpartition(".")[2] for name in linears}
     packed = getattr(model, "packed_modules_mapping", {})
-    return leaves | {hf for hf, (ours, _) in packed.items() if ours in leaves}
+    named = {module.rpartition(".")[2] for module in hf_modules}
+    return leaves | named | {hf for hf, (ours, _) in packed.items() if ours in leaves}
 
 
 def _full_sizes(linear: nn.Module) -> list[int] | None:
@@ -159,12 +172,13 @@ def _module_target(hf_module: str, packed: dict) -> tuple[str, int | None]:
     return ".".join(parts), shard
 
 
-def _check_targets(config: dict, model: nn.Module, linears: dict[str, nn.Module], where: str) -> None:
+def _check_targets(config: dict, model: nn.Module, linears: dict[str, nn.Module], hf_modules: set[str],
+                   where: str) -> None:
     """ValueError for a `target_modules` entry the model has no linear for, or an embedding/head target."""
     targets = config.get("target_modules")
     if isinstance(targets, str) or targets is None:
         return  # a regex or "all-linear": the weight names say what is adapted, and each is checked
-    known = _known_targets(model, linears)
+    known = _known_targets(model, linears, hf_modules)
     for target in targets:
         leaf = str(target).rpartition(".")[2]
         if leaf in _EMBEDDING_TARGETS:
@@ -199,19 +213,49 @@ def _pairs(weights: dict[str, torch.Tensor], where: str) -> dict[str, tuple[torc
     return pairs
 
 
+def _is_conv1d(model: nn.Module, hf_module: str) -> bool:
+    """Whether HF keeps `hf_module` as a `Conv1D` (the family's `conv1d_modules`)."""
+    return any(hf_module == name or hf_module.endswith(f".{name}") for name in getattr(model, "conv1d_modules", ()))
+
+
+def _adapt_pairs(model: nn.Module, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int,
+                 fan_in_fan_out: bool, where: str) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:
+    """(HF module, our module path, A, B) per pair in our layout (the family's `adapt_lora_pair`), the
+    pairs of modules the loader skips left out; ValueError for a pair not of rank `rank`, `fan_in_fan_out`
+    on a module HF keeps as a Linear, or a pair the family cannot adapt."""
+    adapt = getattr(model, "adapt_lora_pair", None)
+    adapted = []
+    for hf_module, (a, b) in sorted(pairs.items()):
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise ValueError(f"{where}: {hf_module} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
+                             f"not rank {rank} (r in {CONFIG_FILE})")
+        if fan_in_fan_out and not _is_conv1d(model, hf_module):
+            raise ValueError(f"{where}: fan_in_fan_out is set, but {type(model).__name__}'s {hf_module} is not a "
+                             f"Conv1D in HF (a weight stored [in, out], as GPT-2's are): fan_in_fan_out belongs to "
+                             f"an adapter of a Conv1D model")
+        try:
+            result = (hf_module, a, b) if adapt is None else adapt(hf_module, a, b)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+        except RuntimeError as exc:  # B's rows cannot take the family's reordering (a reshape): another model's
+            raise ValueError(f"{where}: {hf_module} has B {tuple(b.shape)}, whose rows do not fit "
+                             f"{type(model).__name__}'s layout ({exc})") from exc
+        if result is not None:
+            adapted.append((hf_module, *result))
+    return adapted
+
+
 def load_lora_adapter(name: str, path: str, model: nn.Module, max_lora_rank: int,
                       dtype: torch.dtype = torch.float32) -> LoRAAdapter:
     """Read the PEFT adapter at `path` for `model` (a `DecoderLM`, meta weights are enough) and check it.
 
     ValueError, naming the problem, for missing or corrupt files, `r` over `max_lora_rank`, an
-    unknown target module, a shape that does not fit the base linear, or a PEFT feature not implemented.
+    unknown target module, a shape that does not fit the base linear, a module the family cannot adapt,
+    or a PEFT feature not implemented.
     """
     where = f"LoRA adapter {name!r} ({path})"
     config = _read_config(path)
     _refuse_unsupported(config, where)
-    if getattr(model, "adapt_checkpoint_tensor", None) is not None:
-        raise ValueError(f"{where}: LoRA for {model.config.model_type} is not supported yet "
-                         f"(its checkpoint layout is rewritten at load)")
     rank = _positive_number(config, "r", where)
     if not isinstance(rank, int):
         raise ValueError(f"{where}: r must be an integer, got {rank!r}")
@@ -220,19 +264,19 @@ def load_lora_adapter(name: str, path: str, model: nn.Module, max_lora_rank: int
     alpha = _positive_number(config, "lora_alpha", where)
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     linears = _linears(model)
-    _check_targets(config, model, linears, where)
+    pairs = _pairs(_read_weights(path), where)
+    _check_targets(config, model, linears, set(pairs), where)
     packed = getattr(model, "packed_modules_mapping", {})
     pieces: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
-    for hf_module, (a, b) in sorted(_pairs(_read_weights(path), where).items()):
-        ours, shard = _module_target(hf_module, packed)
+    for hf_module, module_path, a, b in _adapt_pairs(model, pairs, rank, bool(config.get("fan_in_fan_out")), where):
+        ours, shard = _module_target(module_path, packed)
         base = linears.get(ours)
-        if base is None:
+        sizes = None if base is None else _full_sizes(base)
+        # A projection the merged linear lacks too (Gemma 4's v_proj where V is K's projection).
+        if base is None or (shard is not None and shard >= len(sizes or ())):
             raise ValueError(f"{where}: weights name module {hf_module!r}, which {type(model).__name__} has no "
                              f"linear for")
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
-            raise ValueError(f"{where}: {hf_module} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
-                             f"not rank {rank} (r in {CONFIG_FILE})")
-        sizes, in_features = _full_sizes(base), getattr(base, "full_in_features", base.in_features)
+        in_features = getattr(base, "full_in_features", base.in_features)
         rows = (sum(sizes) if sizes else base.out_features) if shard is None else sizes[shard]
         if a.shape[1] != in_features or b.shape[0] != rows:
             raise ValueError(f"{where}: {hf_module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but the base "

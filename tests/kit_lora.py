@@ -29,6 +29,36 @@ TARGETS: dict[str, list[str]] = {
 }
 """Per family, the modules the test adapters adapt (HF's names, as a PEFT user writes them)."""
 
+LAYOUT_TARGETS: dict[str, list[str]] = {
+    # Conv1D modules (PEFT writes fan_in_fan_out), renamed onto the shared attention and MLP.
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    # `model.decoder.` names, out_proj renamed.
+    "opt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
+    # Fused q/k/v interleaved per KV group: B's rows regrouped as the weight's.
+    "falcon": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    # Interleaved rotary pairs: q/k B rows permuted per head; the MoE layer's shared expert.
+    "llama4_text": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    # KV-sharing layers (no k/v of their own) and a global layer whose V is K's; per-layer input linears.
+    "gemma4_text": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                    "per_layer_input_gate", "per_layer_projection"],
+    # Attention only: the experts are parameters, not linears.
+    "gpt_oss": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    # Attention: peft turns gate/up/down_proj targets of these MoE families into `target_parameters` on
+    # the fused experts (which fastgen refuses), dense and shared MLPs included.
+    "glm4_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    # MLA's low-rank query and latent projections (not kv_b_proj: absorbed, see test_lora_api.py).
+    "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"],
+    # Gated DeltaNet's projections (b and a merged in ours) beside gated full attention.
+    "qwen3_5_text": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+                     "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"],
+    # Qwen3-Next's per-key-head grouped projections: B's rows reordered as the weight's (no MLP: glm4_moe's reason).
+    "qwen3_next": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"],
+}
+"""`TARGETS` of the families whose checkpoint layout is rewritten at load (`DecoderLM.adapt_lora_pair`),
+checked on `LAYOUT_LENGTHS` only (one rank)."""
+LAYOUT_LENGTHS = [9, 40]
+"""Their prompt lengths: still a chunked prompt and a KV cache that preempts, in fewer steps."""
+
 
 def save_adapter(base_path: str, out_path: str, target_modules: list[str], seed: int, r: int, lora_alpha: float,
                  use_rslora: bool = False) -> str:
@@ -75,8 +105,10 @@ class Family:
 def build_family(root: Path, model_type: str) -> Family:
     """A tiny `model_type` checkpoint under `root`, its adapters `ADAPTERS` and the oracle's tokens."""
     path = build_checkpoint(str(root / "base"), model_type)
-    adapters = {name: save_adapter(path, str(root / name), TARGETS[model_type], **cfg) for name, cfg in ADAPTERS.items()}
-    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate(LENGTHS)]
+    targets = {**TARGETS, **LAYOUT_TARGETS}[model_type]
+    adapters = {name: save_adapter(path, str(root / name), targets, **cfg) for name, cfg in ADAPTERS.items()}
+    lengths = LAYOUT_LENGTHS if model_type in LAYOUT_TARGETS else LENGTHS
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate(lengths)]
     want = {None: [tokens for tokens, _ in hf_greedy(path, prompts, NUM_NEW)]}
     want |= {name: peft_greedy(path, adapter, prompts, NUM_NEW) for name, adapter in adapters.items()}
     return Family(path, adapters, prompts, want)

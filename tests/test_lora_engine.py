@@ -2,7 +2,9 @@
 adapters with non-zero B): greedy tokens equal peft's under each adapter and HF's for the base model,
 with base and adapters mixed in one batch, prompts longer than the token budget (SplitFuse chunks),
 a KV cache small enough to force preemption, fewer device slots than adapters, the prefix cache
-keyed by adapter, the compiled runner, an int8 base, and the real SmolLM2-135M when it is installed."""
+keyed by adapter, the compiled runner, an int8 base, and the real SmolLM2-135M when it is installed. The
+families whose checkpoint layout is rewritten at load (GPT-2's Conv1D, Llama 4's and Falcon's reordered
+rows, Qwen3.5's linear attention, ...) run the mixed batch too, on fewer prompts."""
 
 import os
 
@@ -19,7 +21,7 @@ from fastgen.models.lora_layers import lora_stack_bytes
 from fastgen.models.quant import QuantizedLinear, quantize_int8
 from fastgen.planning.model_facts import model_facts
 from fastgen.planning.plan import format_bytes
-from kit_lora import ENGINE, NUM_NEW, TARGETS, Family, greedy, peft_greedy
+from kit_lora import ENGINE, LAYOUT_TARGETS, NUM_NEW, TARGETS, Family, greedy, peft_greedy
 from test_gguf import _smollm2_path
 
 def make_engine(family: Family, **options) -> Engine:
@@ -51,7 +53,7 @@ def mixed_call(family: Family) -> tuple[list[list[int]], list[str | None], list[
     return prompts, loras, want
 
 
-@pytest.mark.parametrize("model_type", sorted(TARGETS))
+@pytest.mark.parametrize("model_type", sorted(TARGETS) + sorted(LAYOUT_TARGETS))
 def test_mixed_batch_equals_peft_with_chunks_and_preemption(model_type, lora_families):
     family = lora_families(model_type)
     assert family.want["a"] != family.want[None] and family.want["b"] != family.want["a"], "adapters change nothing"
