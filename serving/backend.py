@@ -2,13 +2,16 @@
 
 A backend has EngineLoop's request interface (`submit`, `submit_async`, `abort`; deltas without
 the prompt text, delivered to a `RequestGroup` sink) plus what the services need besides
-generation: the tokenizer, a model summary and `close`. `submit_group` (from `fastgen.engine`) runs
-the several prompts of one blocking call as one `RequestGroup`.
+generation: the tokenizer, a model summary, the engine's stats (for /metrics), its LoRA adapters
+(`ServedAdapters`, which both protocols' load/unload/list calls drive) and `close`. `submit_group`
+(from `fastgen.engine`) runs the several prompts of one blocking call as one `RequestGroup`.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import fastgen
@@ -21,6 +24,88 @@ Prompt = str | list[int]
 
 class BackendUnavailable(RuntimeError):
     """The backend cannot take or finish a request now (loading, shut down, replica gone)."""
+
+
+class LoRAStateError(ValueError):
+    """An adapter cannot be unloaded now: unfinished requests use it (HTTP 409, gRPC FAILED_PRECONDITION)."""
+
+
+NO_LORA = "this server serves no LoRA adapters: start it with --enable-lora"
+"""Why a deployment without LoRA refuses to load an adapter."""
+LORA_STATS = ("lora_running", "lora_waiting", "lora_max_loras")
+"""The keys of `Engine.stats()` that describe LoRA use (what vllm:lora_requests_info shows)."""
+
+
+class ServedAdapters(abc.ABC):
+    """The LoRA adapters a backend serves: which names select one, and loading and unloading them.
+
+    The calls block (the REST routes run them on a worker thread). A load is all or nothing: a bad
+    adapter raises ValueError naming the problem and leaves nothing loaded anywhere.
+    """
+
+    @abc.abstractmethod
+    def paths(self) -> dict[str, str]:
+        """The loaded adapters: name -> PEFT directory."""
+
+    def __contains__(self, name: object) -> bool:
+        """Whether requests naming `name` run under an adapter (what the routes check a `model` against)."""
+        return isinstance(name, str) and name in self.paths()
+
+    @abc.abstractmethod
+    def load(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` as `name`; ValueError naming the problem (nothing loaded)."""
+
+    @abc.abstractmethod
+    def unload(self, name: str) -> None:
+        """Unload adapter `name`; `UnknownLoRAError` when none is loaded, `LoRAStateError` while requests use it."""
+
+    @abc.abstractmethod
+    def usage(self) -> dict[str, Any]:
+        """`LORA_STATS`: the adapters running and waiting requests use, and `max_loras`; empty without LoRA."""
+
+
+class EngineAdapters(ServedAdapters):
+    """The adapters of the engine an `EngineLoop` steps. Only the loop's thread may change the engine,
+    so loads and unloads run there between steps (`EngineLoop.call`); a request naming an adapter is
+    checked again when the loop queues it, so one unloaded meanwhile is refused cleanly, never half-run.
+    Without a loop, or for an engine built without `enable_lora`, it serves none and refuses loads."""
+
+    def __init__(self, loop: EngineLoop | None) -> None:
+        self._loop = loop if loop is not None and loop.engine.lora is not None else None
+
+    def paths(self) -> dict[str, str]:
+        """The loaded adapters: name -> directory."""
+        # dict() copies under the GIL in one step, so a load on the loop thread cannot break it midway.
+        return {} if self._loop is None else {n: a.path for n, a in dict(self._loop.engine.lora.adapters).items()}
+
+    def _engine_call(self, function: Callable[[Any], Any]) -> None:
+        """Run `function(engine)` on the loop's thread and wait for it (its exception raised here)."""
+        if self._loop is None:
+            raise ValueError(NO_LORA)
+        self._loop.call(function).result()
+
+    def load(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` as `name`; ValueError naming the problem (nothing loaded)."""
+        self._engine_call(lambda engine: engine.load_lora(name, path))
+
+    def unload(self, name: str) -> None:
+        """Unload adapter `name`; `UnknownLoRAError` when none is loaded, `LoRAStateError` while requests use it."""
+
+        def unload(engine: Any) -> None:
+            engine.lora_id(name)  # UnknownLoRAError first: the only ValueError left below is "in use"
+            try:
+                engine.unload_lora(name)
+            except ValueError as exc:
+                raise LoRAStateError(str(exc)) from None
+
+        self._engine_call(unload)
+
+    def usage(self) -> dict[str, Any]:
+        """`LORA_STATS` from the engine's stats; empty without LoRA."""
+        if self._loop is None:
+            return {}
+        stats = self._loop.engine.stats()
+        return {key: stats[key] for key in LORA_STATS}
 
 
 @dataclasses.dataclass
@@ -82,6 +167,10 @@ class Backend(Protocol):
 
     def model_info(self) -> ModelInfo: ...
 
+    def stats(self) -> Mapping[str, Any]: ...
+
+    adapters: ServedAdapters
+
     def close(self) -> None: ...
 
 
@@ -96,6 +185,8 @@ class LocalBackend:
         self.submit = loop.submit
         self.submit_async = loop.submit_async
         self.abort = loop.abort
+        self.stats = loop.engine.stats
+        self.adapters = EngineAdapters(loop)
 
     def model_info(self) -> ModelInfo:
         """The served model, the engine's plan and its configuration."""
@@ -118,6 +209,15 @@ class LocalBackend:
     def close(self) -> None:
         """Abort everything and stop the engine loop."""
         self.loop.shutdown()
+
+
+def served_adapters(backend: Any) -> ServedAdapters:
+    """The adapters of `backend`: a backend's own (`LocalBackend`, the replica router), an `EngineLoop`'s,
+    or none for anything else (None included)."""
+    adapters = getattr(backend, "adapters", None)
+    if isinstance(adapters, ServedAdapters):
+        return adapters
+    return EngineAdapters(backend if isinstance(backend, EngineLoop) else None)
 
 
 def _text(value: Any) -> str:

@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                         help="LoRA adapters (PEFT directories) to load at start-up, each selected by requests whose "
                              "model is NAME; also vLLM's JSON form '{\"name\": ..., \"path\": ...}'. Needs "
-                             "--enable-lora (and one replica); more load at run time with POST /v1/load_lora_adapter")
+                             "--enable-lora; every replica loads them; more load (on every replica) at run time with "
+                             "POST /v1/load_lora_adapter")
     parser.add_argument("--protect-metrics", action="store_true",
                         help="REST: /metrics needs the API key too (default: open, for Prometheus scrapers)")
     parser.add_argument("--grpc-workers", type=int, default=128, help="concurrent gRPC calls (threads)")
@@ -214,6 +215,11 @@ def _lora_module(spec: str) -> LoRAModule:
         return parse_lora_module(spec)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The name OpenAI clients send as `model` for the base model."""
+    return args.model or os.path.basename(DEMO_MODEL_DIR)
 
 
 def default_deployment_name(model: str | None) -> str:
@@ -245,8 +251,10 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
         parser.error(f"--lora-modules: an adapter name is given twice ({', '.join(names)})")
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
-    if args.lora_modules and args.replica_num not in (None, 1):
-        parser.error("--lora-modules needs one replica (--replica-num 1): replicated deployments serve no adapters")
+    for module in args.lora_modules:
+        if module.name == served_model_name(args):
+            parser.error(f"--lora-modules {module.name}={module.path}: it is the base model's name, which selects "
+                         "no adapter")
     try:
         registry.check_name(args.deployment_name)
         options = {f.name: getattr(args, f.name) for f in engine_fields() if getattr(args, f.name) is not None}

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastgen.api import normalise_prompts, split_mii_stream
-from fastgen.engine import UnknownLoRAError, merge_deltas
+from fastgen.engine import merge_deltas
 from fastgen.outputs import Response
 from fastgen.sampling_params import SamplingParams
 from fastgen.serving.deploy import registry
@@ -68,8 +68,6 @@ def _error(exc: grpc.RpcError, address: str) -> Exception:
                                "(pass api_key= or set FASTGEN_API_KEY)")
     if code == grpc.StatusCode.UNAVAILABLE:
         return ConnectionError(f"fastgen deployment at {address} is unavailable: {details}")
-    if code == grpc.StatusCode.NOT_FOUND:  # what Generate answers for a LoRA adapter not loaded
-        return UnknownLoRAError(details)
     return RuntimeError(f"fastgen deployment at {address} failed the call ({code.name}): {details}")
 
 

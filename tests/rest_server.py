@@ -63,3 +63,13 @@ def serve(model_dir: str, model_name: str, engine_options: dict, **app_options: 
         thread.join(15)
         loop.shutdown()
         sock.close()
+
+
+def openai_token_ids(client: Any, model: str, prompt: list[int], max_tokens: int, stream: bool = False) -> list[int]:
+    """Greedy token ids of `prompt` under `model` through the official `openai` client (read back from
+    `token_id:N` logprob tokens; EOS ignored), streamed or not."""
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0,
+                                    stream=stream, extra_body=extra)
+    chunks = list(out) if stream else [out]
+    return [int(t.removeprefix("token_id:")) for c in chunks for t in c.choices[0].logprobs.tokens]

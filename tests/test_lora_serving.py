@@ -10,7 +10,6 @@ loaded), also through the Python gRPC client's `lora=`."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import os
 import signal
@@ -25,19 +24,19 @@ import httpx
 import openai
 import pytest
 from kit_lora import ENGINE, NUM_NEW, build_family
-from rest_server import serve
+from rest_server import openai_token_ids, serve
 
 from fastgen import EngineConfig
-from fastgen.engine import Engine
+from fastgen.engine import DEMO_MODEL_DIR, Engine
 from fastgen.engine.lora_manager import UnknownLoRAError
-from fastgen.serving.backend import LocalBackend
+from fastgen.serving.backend import LocalBackend, served_adapters
 from fastgen.serving.deploy.launcher import _load_lora_modules
 from fastgen.serving.cli import build_parser, validate
 from fastgen.serving.client import Client
 from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
 from fastgen.serving.grpc.server import GrpcServer
-from fastgen.serving.lora import LoRAModule, ServedAdapters, parse_lora_module
+from fastgen.serving.lora import LoRAModule, parse_lora_module
 from fastgen.serving.ray_app import FastGenServer, _server_options
 
 MODEL = "tiny-base"
@@ -68,12 +67,7 @@ def _post(served, path: str, body: dict, key: str | None = KEY) -> httpx.Respons
 
 
 def _tokens(client, model: str, prompt: list[int], stream: bool = False) -> list[int]:
-    """Greedy token ids of `prompt` under `model` (`token_id:N` logprob tokens, EOS ignored)."""
-    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
-    out = client.completions.create(model=model, prompt=prompt, max_tokens=NUM_NEW, temperature=0, logprobs=0,
-                                    stream=stream, extra_body=extra)
-    chunks = list(out) if stream else [out]
-    return [int(t.removeprefix("token_id:")) for c in chunks for t in c.choices[0].logprobs.tokens]
+    return openai_token_ids(client, model, prompt, NUM_NEW, stream)
 
 
 def test_model_selects_adapter(family, served, client):
@@ -187,16 +181,18 @@ def test_metrics_gauge(family, served, client):
 
 
 def test_a_server_without_lora_refuses_loads():
-    adapters = ServedAdapters(None)  # a replica router, or an engine built without enable_lora
-    assert adapters.paths() == {} and "a" not in adapters
-    for call in (adapters.load("a", "/p"), adapters.unload("a")):
+    adapters = served_adapters(None)  # a backend without an engine loop, or an engine built without enable_lora
+    assert adapters.paths() == {} and "a" not in adapters and adapters.usage() == {}
+    for call, args in ((adapters.load, ("a", "/p")), (adapters.unload, ("a",))):
         with pytest.raises(ValueError, match="--enable-lora"):
-            asyncio.run(call)
+            call(*args)
 
 
 def test_lora_modules_flag(tmp_path):
     assert parse_lora_module("a=/x/y") == LoRAModule("a", "/x/y")
     assert parse_lora_module('{"name": "a", "path": "/x", "base_model_name": "m"}') == LoRAModule("a", "/x")
+    odd = LoRAModule("a=b", "/x=y")  # what the front end passes its replicas reads back the same
+    assert parse_lora_module(odd.spec()) == odd
     for bad in ("a", "=/x", "a=", '{"name": "a"}', '{"name": "a", "path": "/x", "rank": 2}', "{bad"):
         with pytest.raises(ValueError):
             parse_lora_module(bad)
@@ -206,8 +202,12 @@ def test_lora_modules_flag(tmp_path):
     assert args.lora_modules == [LoRAModule("a", "/p"), LoRAModule("b", "/q")]
     config, _ = validate(parser, args)
     assert config.enable_lora
+    args = parser.parse_args(["--deployment-name", "d", "--enable-lora", "--replica-num", "2", "--lora-modules",
+                              "a=/p"])
+    assert validate(parser, args)[0].enable_lora  # every replica loads them
+    base = os.path.basename(DEMO_MODEL_DIR)  # the name requests give the demo model
     for argv in (["--lora-modules", "a=/p"], ["--enable-lora", "--lora-modules", "a=/p", "a=/q"],
-                 ["--enable-lora", "--replica-num", "2", "--lora-modules", "a=/p"]):
+                 ["--enable-lora", "--lora-modules", f"{base}=/p"]):
         with pytest.raises(SystemExit):
             validate(parser, parser.parse_args(["--deployment-name", "d", *argv]))
     with pytest.raises(SystemExit):
@@ -247,10 +247,9 @@ def test_lora_modules_load_at_start_up(family, tmp_path):
     _load_lora_modules(engine, good)
     assert engine.lora_adapters() == {"a": family.adapters["a"]}
     engine.shutdown()
-    for module, problem in ((LoRAModule("x", str(tmp_path / "none")), "x="), (LoRAModule(family.path, "/p"), "base")):
-        bad = argparse.Namespace(model=family.path, lora_modules=[module])
-        with pytest.raises(SystemExit, match=f"--lora-modules .*{problem}"):
-            _load_lora_modules(Engine.from_config(EngineConfig(model=family.path, **ENGINE)), bad)
+    bad = argparse.Namespace(model=family.path, lora_modules=[LoRAModule("x", str(tmp_path / "none"))])
+    with pytest.raises(SystemExit, match="--lora-modules x="):
+        _load_lora_modules(Engine.from_config(EngineConfig(model=family.path, **ENGINE)), bad)
 
 
 def test_ray_app_lora_modules(family):

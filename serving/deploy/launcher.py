@@ -36,10 +36,10 @@ from fastgen.engine import EngineLoop
 from fastgen.serving.deploy import registry
 from fastgen.serving.backend import Backend, LocalBackend
 from fastgen.serving.cli import (DEFAULT_PORT, DEFAULT_REST_PORT, build_parser, default_deployment_name, engine_argv,
-                                 engine_fields, limits_argv, validate)
+                                 engine_fields, limits_argv, served_model_name, validate)
 from fastgen.serving.grpc.server import GrpcServer
 from fastgen.serving.limits import ServingLimits
-from fastgen.serving.deploy.processes import check_port_free, connect_host, write_json_atomic
+from fastgen.serving.deploy.processes import check_port_free, connect_host, stop_process, write_json_atomic
 from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.deploy.replicas import ReplicaRouter, start_replicas
 
@@ -66,27 +66,19 @@ def _rest_module() -> Any:
         raise SystemExit(f"--enable-restful-api needs {exc.name!r}: pip install 'fastgen[serving]'") from None
 
 
-def _model_name(args: argparse.Namespace) -> str:
-    """The name OpenAI clients send as `model` for the base model."""
-    return args.model or os.path.basename(DEMO_MODEL_DIR)
-
-
 def _rest_app(rest: Any, args: argparse.Namespace, backend: Backend, stop: threading.Event,
               server: GrpcServer) -> Any:
     """The gateway's app over the same backend, limits and admission budget as the gRPC `server`
     (so `--max-pending-requests` bounds both protocols together); `GET /terminate` stops the
     deployment as Terminate does."""
-    metrics = None
-    if isinstance(backend, LocalBackend):
-        from fastgen.serving.metrics import ServingMetrics
+    from fastgen.serving.metrics import ServingMetrics  # only a REST gateway needs prometheus_client
 
-        metrics = ServingMetrics(backend.engine.stats)
     return rest.create_app(backend, deployment_name=args.deployment_name, tokenizer=backend.tokenizer,
-                           model_name=_model_name(args), limits=server.limits,
-                           max_model_len=backend.model_info().max_length, metrics=metrics, on_terminate=stop.set,
-                           strict_params=args.strict_params, protect_metrics=args.protect_metrics,
-                           budget=server.budget, tool_call_parser=args.tool_call_parser,
-                           reasoning_parser=args.reasoning_parser)
+                           model_name=served_model_name(args), limits=server.limits,
+                           max_model_len=backend.model_info().max_length, metrics=ServingMetrics(backend.stats),
+                           on_terminate=stop.set, strict_params=args.strict_params,
+                           protect_metrics=args.protect_metrics, budget=server.budget,
+                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
 
 class _RestThread:
@@ -112,12 +104,17 @@ class _RestThread:
 
 
 def _planned_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
-    """The policy's replica count; 1 for a replica itself and for a torchrun launch (its ranks are its GPUs)."""
-    if args.replica_of is not None or torchrun_env() is not None:
+    """`--replica-num`, else the policy's count; 1 for a replica itself and for a torchrun launch (its
+    ranks are its GPUs). Several replicas are planned here, once, so that an engine option the policy
+    refuses (the LoRA bounds among them) stops the deployment before it starts processes that would
+    each refuse it; ValueError naming it."""
+    if args.replica_of is not None or torchrun_env() is not None or args.replica_num == 1:
         return 1
     overrides = {k: v for k, v in config.plan_overrides().items() if k != "replica_num"}
     plan = fastgen.plan_deployment(config.model or DEMO_MODEL_DIR, config.device, offline=config.offline,
                                    **overrides)
+    if args.replica_num is not None:
+        return args.replica_num
     if plan.replica_num > 1:
         logger.info("replicas: %d (%s)", plan.replica_num, plan.reasons["replica_num"])
     return plan.replica_num
@@ -126,16 +123,11 @@ def _planned_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
 def _load_lora_modules(engine: Engine, args: argparse.Namespace) -> None:
     """Load `--lora-modules` into `engine`; SystemExit naming the entry (the engine shut down) for a bad one."""
     for module in args.lora_modules:
-        if module.name == _model_name(args):
-            problem = "it is the base model's name, which selects no adapter"
-        else:
-            try:
-                engine.load_lora(module.name, module.path)
-                continue
-            except ValueError as exc:
-                problem = str(exc)
-        engine.shutdown()
-        raise SystemExit(f"--lora-modules {module.name}={module.path}: {problem}")
+        try:
+            engine.load_lora(module.name, module.path)
+        except ValueError as exc:
+            engine.shutdown()
+            raise SystemExit(f"--lora-modules {module.name}={module.path}: {exc}") from None
     if args.lora_modules:
         logger.info("LoRA adapters: %s", ", ".join(f"{m.name} ({m.path})" for m in args.lora_modules))
 
@@ -160,14 +152,22 @@ def _load_backend(args: argparse.Namespace, config: EngineConfig, server: GrpcSe
         {k: v for k, v in options.items() if k != "device"})]
     if args.tensor_parallel is not None:
         launcher_args += ["--tensor-parallel", str(args.tensor_parallel)]
+    if args.lora_modules:
+        # Every replica loads them (the engine options above carry --enable-lora and its bounds).
+        launcher_args += ["--lora-modules", *(module.spec() for module in args.lora_modules)]
     # The front end counts pending sequences for the whole deployment; replicas check the other bounds
     # again (so one admitted here is admitted there) and require the same keys.
     launcher_args += limits_argv(limits, pending=False)
     replicas = start_replicas(args.replica_num, launcher_args, args.deployment_name, devices=devices,
                               timeout=args.startup_timeout, should_stop=stop.is_set, api_keys=limits.api_keys)
-    info = replicas[0].stub.ModelInfo(pb.ModelInfoRequest(), timeout=30, metadata=replicas[0].metadata)
-    return ReplicaRouter(replicas, AutoTokenizer.from_pretrained(info.model_dir), report=server.set_health,
-                         on_all_down=stop.set)
+    try:
+        info = replicas[0].stub.ModelInfo(pb.ModelInfoRequest(), timeout=30, metadata=replicas[0].metadata)
+        return ReplicaRouter(replicas, AutoTokenizer.from_pretrained(info.model_dir), report=server.set_health,
+                             on_all_down=stop.set)
+    except BaseException:
+        for replica in replicas:  # no router owns them yet to stop them
+            stop_process(replica.process)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,11 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.deployment_name is None:
         args.deployment_name = default_deployment_name(args.model)
     config, limits = validate(parser, args)
-    if args.replica_num is None:
+    try:
         args.replica_num = _planned_replicas(args, config)
-        if args.lora_modules and args.replica_num > 1:
-            parser.error(f"--lora-modules needs one replica, but the policy plans {args.replica_num}: "
-                         "add --replica-num 1")
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     role = f"replica of pid {args.replica_of}" if args.replica_of is not None else "deployment"
     logger.info("fastgen %s %s %r: %s", fastgen.__version__, role, args.deployment_name, config)

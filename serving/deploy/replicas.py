@@ -7,7 +7,8 @@ that dies or stops serving is logged, reported through the front end's health se
 (`fastgen.replica.<i>`) and `ModelInfo`, and routed around. Replica processes watch the front
 end's pid and exit if it dies, and the front end stops them all on shutdown. Replicas listen on
 127.0.0.1 only (plain TCP: the hop never leaves the machine) and require the front end's API
-keys, which the router presents on every call.
+keys, which the router presents on every call. The replicas serve the same LoRA adapters, which
+requests may name and which load and unload on all of them together (`replica_lora`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -38,6 +39,7 @@ from fastgen.serving.grpc.guard import auth_metadata
 from fastgen.serving.grpc.server import CHANNEL_OPTIONS, MII_SERVICE, REQUEST_IDS_KEY, TYPED_SERVICE, rejection
 from fastgen.serving.limits import API_KEY_ENV
 from fastgen.serving.deploy.processes import read_json, stop_process
+from fastgen.serving.deploy.replica_lora import ReplicaAdapters
 from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
 
@@ -83,7 +85,8 @@ class Replica:
 
 
 def _replica_error(call: grpc.Call) -> Exception:
-    """The exception a replica's rejection stands for (INVALID_ARGUMENT keeps its Python type)."""
+    """The exception a replica's rejection stands for (INVALID_ARGUMENT keeps its Python type, NOT_FOUND
+    is `UnknownLoRAError`, FAILED_PRECONDITION `LoRAStateError`)."""
     rejected = rejection(call)
     if rejected is not None:
         return rejected
@@ -94,8 +97,10 @@ class RemoteStream:
     """The deltas of one request running on a replica; `abort()` cancels the replica's call."""
 
     def __init__(self, router: "ReplicaRouter", replica: Replica, call: Any, request_id: str,
-                 with_logprobs: bool) -> None:
+                 with_logprobs: bool, lora: str | None) -> None:
         self.request_id = request_id
+        self.lora = lora
+        """The LoRA adapter the request runs under (None: the base model)."""
         self._router = router
         self._replica = replica
         self._call = call
@@ -144,6 +149,7 @@ class ReplicaRouter:
         self._interval = check_interval
         for replica in replicas:
             self._report(f"fastgen.replica.{replica.index}", replica.healthy)
+        self.adapters = ReplicaAdapters(self)
         self._monitor = threading.Thread(target=self._watch, name="fastgen-replica-monitor", daemon=True)
         self._monitor.start()
 
@@ -161,27 +167,52 @@ class ReplicaRouter:
             replica.num_requests += 1
             return replica
 
+    def serving(self) -> list[Replica]:
+        """The replicas in rotation now."""
+        with self._lock:
+            return [r for r in self.replicas if r.healthy]
+
     def release(self, replica: Replica, request_id: str | None) -> None:
         """A request on `replica` ended (finished, failed or aborted)."""
         with self._lock:
             replica.in_flight -= 1
-            if request_id is not None:
-                self._streams.pop(request_id, None)
+            stream = self._streams.pop(request_id, None) if request_id is not None else None
+        if stream is not None:
+            self.adapters.drop(stream.lora)
+
+    def call(self, replica: Replica, method: str, request: Any, timeout: float) -> Any:
+        """`method(request)` of `replica`'s typed service: a replica out of reach is taken out of
+        rotation (BackendUnavailable), a refusal raised as its exception (`_replica_error`)."""
+        try:
+            return getattr(replica.stub, method)(request, timeout=timeout, metadata=replica.metadata)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.mark_down(replica, "UNREACHABLE")
+                raise BackendUnavailable(f"replica {replica.index} cannot be reached: {exc.details()}") from None
+            raise _replica_error(exc) from None
 
     def submit(self, prompt: Any, params: SamplingParams | None, deliver: Sink,
                lora: str | None = None) -> RemoteStream:
-        """Send a request to the least-loaded healthy replica, whose deltas a thread reads into
-        `deliver` (a `RequestGroup` sink); raises its ValueError/TypeError if rejected (and for any
-        `lora`: replicas serve no LoRA adapters)."""
-        if lora is not None:
-            raise ValueError(f"LoRA adapter {lora!r} requested but replicated deployments serve none "
-                             "(serve adapters with --replica-num 1)")
+        """Send a request to the least-loaded healthy replica, under the LoRA adapter `lora` (None: the
+        base model; every replica holds the same adapters), whose deltas a thread reads into `deliver`
+        (a `RequestGroup` sink); raises its ValueError/TypeError if rejected, `UnknownLoRAError` for an
+        adapter not served."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         # Deltas carry generated text only, as the local engine loop's do; the services add the prompt.
         request = pb.GenerateRequest(prompts=prompts_to_proto(normalise_prompts([prompt])),
-                                     params=params_to_proto(dataclasses.replace(params, return_full_text=False)))
+                                     params=params_to_proto(dataclasses.replace(params, return_full_text=False)),
+                                     lora=lora or "")
+        self.adapters.hold(lora)  # in use until the request ends (`release`), so no unload breaks it
+        try:
+            return self._send(request, deliver, lora, params.logprobs is not None)
+        except BaseException:
+            self.adapters.drop(lora)
+            raise
+
+    def _send(self, request: pb.GenerateRequest, deliver: Sink, lora: str | None, with_logprobs: bool) -> RemoteStream:
+        """Start `request` on the least-loaded healthy replica, trying the next while one is out of reach."""
         tried: set[int] = set()
         while True:
             replica = self._pick(tried)
@@ -189,7 +220,7 @@ class ReplicaRouter:
             metadata = dict(call.initial_metadata() or ())
             if REQUEST_IDS_KEY in metadata:
                 request_id = f"r{replica.index}-{metadata[REQUEST_IDS_KEY]}"
-                stream = RemoteStream(self, replica, call, request_id, params.logprobs is not None)
+                stream = RemoteStream(self, replica, call, request_id, with_logprobs, lora)
                 with self._lock:
                     self._streams[request_id] = stream
                 # Ended by `_pump` when the call ends (the replica released), not by its last delta.
@@ -230,7 +261,7 @@ class ReplicaRouter:
 
     def model_info(self) -> ModelInfo:
         """A healthy replica's model summary, with every replica's state."""
-        for replica in [r for r in self.replicas if r.healthy]:
+        for replica in self.serving():
             try:
                 info = model_info_from_proto(
                     replica.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5, metadata=replica.metadata))
@@ -245,6 +276,10 @@ class ReplicaRouter:
                              for r in self.replicas]
             info.in_flight = sum(r.in_flight for r in self.replicas)
         return info
+
+    def stats(self) -> Mapping[str, Any]:
+        """The deployment's engine stats for /metrics: the LoRA adapters in use over its replicas."""
+        return self.adapters.usage()
 
     # Health ----------------------------------------------------------------------------------
 
@@ -289,8 +324,14 @@ class ReplicaRouter:
     def _watch(self) -> None:
         while not self._closed.wait(self._interval):
             for replica in self.replicas:
-                if not replica.status.startswith("DEAD"):
-                    self._set_status(replica, self._check(replica))
+                if replica.status.startswith("DEAD"):
+                    continue
+                status = self._check(replica)
+                if status == "SERVING" and not replica.healthy:
+                    # Back in rotation only with the deployment's adapters: it may have missed loads and unloads.
+                    self.adapters.restore(replica, lambda status, replica=replica: self._set_status(replica, status))
+                else:
+                    self._set_status(replica, status)
 
     def close(self) -> None:
         """Stop monitoring, then terminate every replica we started and wait for it to exit."""

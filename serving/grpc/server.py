@@ -1,4 +1,5 @@
-"""The gRPC server: fastgen's typed service, MII's `modelresponse` service, health and reflection.
+"""The gRPC server: fastgen's typed service, MII's `modelresponse` service (`mii_service`), health and
+reflection.
 
 A thread-pool server over one backend (a local engine loop or the replica router): every RPC
 runs in its own worker thread and submits its prompts to the backend, whose engine batches them
@@ -8,11 +9,9 @@ blocks at its next step.
 
 What a call passes first (`ServingLimits`): the API key (every method of both services when keys
 are set; health and reflection stay open), the message size, the prompts and `n` per request and
-the sequences in flight. Statuses: a request rejected at admission (a bad field, a prompt the
-engine refuses) is INVALID_ARGUMENT with the error's message (which names the field) and a
-`fastgen-error-type` trailer; a full server is RESOURCE_EXHAUSTED with a `retry-after-ms`
-trailer; a loading or stopped engine is UNAVAILABLE; a failure after admission (the engine failed
-the request mid-stream) is INTERNAL, never INVALID_ARGUMENT. The server keeps serving either way.
+the sequences in flight; the statuses a call ends with are `status`'s. The typed service also
+loads, unloads and lists LoRA adapters (on every replica, behind the replica router), under the
+same key as generation.
 """
 
 from __future__ import annotations
@@ -20,25 +19,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
-from google.protobuf import empty_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fastgen.api import normalise_prompts, split_mii_stream
-from fastgen.engine import RequestGroup, TensorParallelError, UnknownLoRAError, submit_group
-from fastgen.outputs import Response
-from fastgen.sampling_params import FieldTypeError, FieldValueError, SamplingParams
+from fastgen.engine import RequestGroup, TensorParallelError, submit_group
+from fastgen.sampling_params import SamplingParams
 from fastgen.serving.backend import Backend, BackendUnavailable
-from fastgen.serving.grpc.convert import (completion_from_response, kwargs_from_mii, model_info_to_proto,
-                                          params_from_proto, prompts_from_proto)
-from fastgen.serving.admission import Draining, Overloaded, PendingBudget, shared_budget
-from fastgen.serving.grpc.guard import RETRY_AFTER_KEY, ApiKeyInterceptor, server_credentials
+from fastgen.serving.grpc.convert import (completion_from_response, model_info_to_proto, params_from_proto,
+                                          prompts_from_proto)
+from fastgen.serving.admission import PendingBudget, shared_budget
+from fastgen.serving.grpc.guard import ApiKeyInterceptor, server_credentials
+from fastgen.serving.grpc.mii_service import ModelResponseServicer
+from fastgen.serving.grpc.status import ERROR_FIELD_KEY, ERROR_TYPE_KEY, fail, reject, rejection
 from fastgen.serving.limits import ServingLimits
 from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.grpc.proto import fastgen_v1_pb2_grpc as pb_grpc
@@ -47,10 +44,10 @@ from fastgen.serving.grpc.proto import modelresponse_pb2_grpc as mii_grpc
 
 logger = logging.getLogger("fastgen.serving")
 
-ERROR_TYPE_KEY = "fastgen-error-type"
-"""Trailing-metadata key naming the Python exception class behind an INVALID_ARGUMENT."""
-ERROR_FIELD_KEY = "fastgen-error-field"
-"""Trailing-metadata key naming the request field an INVALID_ARGUMENT is about, when it names one."""
+# The status helpers are `status`'s; clients and tests have long imported them from here.
+__all__ = ["CHANNEL_OPTIONS", "ERROR_FIELD_KEY", "ERROR_TYPE_KEY", "MAX_MESSAGE_BYTES", "MII_SERVICE",
+           "REQUEST_IDS_KEY", "TYPED_SERVICE", "FastGenServicer", "GrpcServer", "rejection"]
+
 REQUEST_IDS_KEY = "fastgen-request-ids"
 """Initial-metadata key a GenerateStream sends once all its prompts are accepted."""
 TYPED_SERVICE = pb.DESCRIPTOR.services_by_name["FastGen"].full_name
@@ -62,48 +59,6 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 """Channel options shared by the server and our clients (long prompts as token ids are large)."""
-
-
-def rejection(call: grpc.Call) -> Exception | None:
-    """The FieldTypeError/FieldValueError a failed call's INVALID_ARGUMENT stands for, with the field
-    its trailer names (None for other codes)."""
-    if call.code() != grpc.StatusCode.INVALID_ARGUMENT:
-        return None
-    trailers = dict(call.trailing_metadata() or ())
-    kind = FieldTypeError if trailers.get(ERROR_TYPE_KEY) == "TypeError" else FieldValueError
-    return kind(call.details(), trailers.get(ERROR_FIELD_KEY))
-
-
-def _reject(server: "GrpcServer", context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
-    """End a call refused at admission with the status that fits `exc` (raises, as `context.abort` does).
-
-    Only here does a ValueError/TypeError mean the client's request was wrong; its kind (the
-    builtin's name) and its field (a FieldError's) travel as trailers.
-    """
-    if isinstance(exc, UnknownLoRAError):
-        context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-    if isinstance(exc, (ValueError, TypeError)):
-        trailers = [(ERROR_TYPE_KEY, "TypeError" if isinstance(exc, TypeError) else "ValueError")]
-        field = getattr(exc, "field", None)
-        if isinstance(field, str) and field.isascii() and field.isprintable():  # what metadata may carry
-            trailers.append((ERROR_FIELD_KEY, field))
-        context.set_trailing_metadata(tuple(trailers))
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    if isinstance(exc, Overloaded):
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(exc.retry_after_ms)),))
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-    if isinstance(exc, Draining):
-        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-    _fail(server, context, exc)
-
-
-def _fail(server: "GrpcServer", context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
-    """End a call whose request failed after admission (or for a reason not the client's):
-    UNAVAILABLE when the engine cannot serve at all, INTERNAL otherwise, whatever the exception's type."""
-    if isinstance(exc, BackendUnavailable) or server.engine_stopped(exc):
-        context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is not serving: {exc}")
-    logger.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
-    context.abort(grpc.StatusCode.INTERNAL, f"the server failed the request: {type(exc).__name__}: {exc}")
 
 
 class FastGenServicer(pb_grpc.FastGenServicer):
@@ -118,11 +73,11 @@ class FastGenServicer(pb_grpc.FastGenServicer):
             group, done = self._server.admit(prompts_from_proto(request.prompts), params_from_proto(request.params),
                                              context, lora=request.lora or None)
         except Exception as exc:
-            _reject(self._server, context, exc)
+            reject(self._server, context, exc)
         try:
             return pb.GenerateResponse(completions=[completion_from_response(r) for r in group.results()])
         except Exception as exc:
-            _fail(self._server, context, exc)
+            fail(self._server, context, exc)
         finally:
             done()
 
@@ -132,13 +87,13 @@ class FastGenServicer(pb_grpc.FastGenServicer):
             group, done = self._server.admit(prompts_from_proto(request.prompts), params_from_proto(request.params),
                                              context, lora=request.lora or None)
         except Exception as exc:
-            _reject(self._server, context, exc)
+            reject(self._server, context, exc)
         try:
             context.send_initial_metadata(((REQUEST_IDS_KEY, ",".join(group.request_ids)),))
             for delta in group:
                 yield completion_from_response(delta)
         except Exception as exc:
-            _fail(self._server, context, exc)
+            fail(self._server, context, exc)
         finally:
             done()
 
@@ -149,7 +104,7 @@ class FastGenServicer(pb_grpc.FastGenServicer):
             special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             ids = [tokenizer.encode(text, add_special_tokens=special) for text in request.texts]
         except Exception as exc:
-            _reject(self._server, context, exc)
+            reject(self._server, context, exc)
         return pb.TokenizeResponse(token_ids=[pb.TokenIds(ids=i) for i in ids])
 
     def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.ServicerContext) -> pb.ModelInfoResponse:
@@ -157,7 +112,7 @@ class FastGenServicer(pb_grpc.FastGenServicer):
         try:
             info = self._server.backend().model_info()
         except Exception as exc:
-            _fail(self._server, context, exc)
+            fail(self._server, context, exc)
         return model_info_to_proto(dataclasses.replace(info, deployment_name=self._server.deployment_name))
 
     def Terminate(self, request: pb.TerminateRequest, context: grpc.ServicerContext) -> pb.TerminateResponse:
@@ -165,87 +120,33 @@ class FastGenServicer(pb_grpc.FastGenServicer):
         self._server.request_termination()
         return pb.TerminateResponse()
 
-
-def _mii_reply(response: Response | None, text: str, started: float, accepted: float) -> mii_pb.SingleGenerationReply:
-    """MII's reply for one completion; `response` None = nothing produced yet (counts unknown, 0)."""
-    now = time.perf_counter()
-    if response is None:
-        return mii_pb.SingleGenerationReply(finish_reason="none", time_taken=now - started,
-                                            model_time_taken=now - accepted)
-    return mii_pb.SingleGenerationReply(
-        response=text, finish_reason=response.finish_reason, prompt_tokens=response.prompt_length,
-        generated_tokens=response.generated_length, time_taken=now - started, model_time_taken=now - accepted,
-    )
-
-
-class ModelResponseServicer(mii_grpc.ModelResponseServicer):
-    """DeepSpeed-MII's modelresponse.ModelResponse over a backend.
-
-    `query_kwargs` are generation keywords, plus MII's `stream` (a bool), which MII's server used to
-    choose per-token replies: here GeneratorReply always answers in full and GeneratorReplyStream
-    always streams, whatever it says. `time_taken` counts from the call's arrival,
-    `model_time_taken` from the engine's acceptance of the prompts (so it leaves out parsing and
-    validation).
-    """
-
-    def __init__(self, server: "GrpcServer") -> None:
-        self._server = server
-
-    def _open(self, request: mii_pb.MultiStringRequest,
-              context: grpc.ServicerContext) -> tuple[RequestGroup, Callable[[], None], list[tuple[int, int]]]:
-        """The admitted group, its release and its completions' (prompt_index, index) keys, prompt-major."""
-        prompts = normalise_prompts(list(request.request), "request")
-        # MII's client adds stream=True to every streaming call; the method, not the flag, decides here.
-        gen, _ = split_mii_stream(kwargs_from_mii(request.query_kwargs), "query_kwargs['stream']")
-        params = SamplingParams.from_kwargs(**gen)
-        group, done = self._server.admit(prompts, params, context, field="request")
-        return group, done, [(p, c) for p in range(len(prompts)) for c in range(params.n)]
-
-    def GeneratorReply(self, request: mii_pb.MultiStringRequest,
-                       context: grpc.ServicerContext) -> mii_pb.MultiGenerationReply:
-        """One reply per prompt (per prompt and choice with n > 1), in order."""
-        started = time.perf_counter()
+    def ListLoRA(self, request: pb.ListLoRARequest, context: grpc.ServicerContext) -> pb.ListLoRAResponse:
+        """The adapters loaded and those that requests use now."""
         try:
-            group, done, _ = self._open(request, context)
+            adapters = self._server.backend().adapters
+            paths, usage = adapters.paths(), adapters.usage()
         except Exception as exc:
-            _reject(self._server, context, exc)
-        accepted = time.perf_counter()
-        try:
-            return mii_pb.MultiGenerationReply(
-                response=[_mii_reply(r, r.generated_text, started, accepted) for r in group.results()])
-        except Exception as exc:
-            _fail(self._server, context, exc)
-        finally:
-            done()
+            fail(self._server, context, exc)
+        return pb.ListLoRAResponse(adapters=paths, running=usage.get("lora_running", ()),
+                                   waiting=usage.get("lora_waiting", ()), max_loras=usage.get("lora_max_loras", 0))
 
-    def GeneratorReplyStream(self, request: mii_pb.MultiStringRequest,
-                             context: grpc.ServicerContext) -> Iterator[mii_pb.MultiGenerationReply]:
-        """Replies with an entry for every completion, in order: its new text since the last reply."""
-        started = time.perf_counter()
+    def LoadLoRA(self, request: pb.LoadLoRARequest, context: grpc.ServicerContext) -> pb.LoadLoRAResponse:
+        """Load an adapter: INVALID_ARGUMENT naming the problem (nothing loaded)."""
         try:
-            group, done, keys = self._open(request, context)
+            self._server.backend().adapters.load(request.name, request.path)
         except Exception as exc:
-            _reject(self._server, context, exc)
-        accepted = time.perf_counter()
-        latest: dict[tuple[int, int], Response] = {}
-        try:
-            for batch in group.batches():
-                texts: dict[tuple[int, int], str] = {}
-                for delta in batch:
-                    key = (delta.prompt_index, delta.index)
-                    latest[key] = delta
-                    texts[key] = texts.get(key, "") + delta.generated_text
-                yield mii_pb.MultiGenerationReply(response=[
-                    _mii_reply(latest.get(key), texts.get(key, ""), started, accepted) for key in keys])
-        except Exception as exc:
-            _fail(self._server, context, exc)
-        finally:
-            done()
+            reject(self._server, context, exc)
+        logger.info("LoRA adapter %r loaded from %s", request.name, request.path)
+        return pb.LoadLoRAResponse()
 
-    def Terminate(self, request: empty_pb2.Empty, context: grpc.ServicerContext) -> empty_pb2.Empty:
-        """Stop the deployment."""
-        self._server.request_termination()
-        return empty_pb2.Empty()
+    def UnloadLoRA(self, request: pb.UnloadLoRARequest, context: grpc.ServicerContext) -> pb.UnloadLoRAResponse:
+        """Unload an adapter: NOT_FOUND when not loaded, FAILED_PRECONDITION while requests use it."""
+        try:
+            self._server.backend().adapters.unload(request.name)
+        except Exception as exc:
+            reject(self._server, context, exc)
+        logger.info("LoRA adapter %r unloaded", request.name)
+        return pb.UnloadLoRAResponse()
 
 
 class GrpcServer:

@@ -13,6 +13,7 @@ keeps serving everyone else.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -25,12 +26,12 @@ from fastapi.responses import Response as HTTPResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastgen.serving.admission import PendingBudget
+from fastgen.serving.backend import served_adapters
 from fastgen.serving.http.gateway import Gateway
 from fastgen.serving.http.guard import ApiError, HttpGuard, Offload, public_routes
 from fastgen.serving.http.lora_routes import add_lora_routes
 from fastgen.serving.http.mii_routes import add_mii_routes
 from fastgen.serving.limits import ServingLimits
-from fastgen.serving.lora import ServedAdapters
 from fastgen.serving.metrics import ServingMetrics
 from fastgen.serving.http.chat.reasoning import REASONING_PARSERS
 from fastgen.serving.http.chat.tool_parsers import TOOL_CALL_PARSERS
@@ -176,7 +177,7 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
         router.add_api_route(path, endpoint, methods=["GET"])
         router.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
     models = RequestModels.build(model_name, limits, gateway.max_prompt_chars, strict_params)
-    adapters = ServedAdapters(backend)
+    adapters = served_adapters(backend)
     add_openai_routes(router, gateway, model_name, max_model_len, models, tool_call_parser, reasoning_parser,
                       adapters)
     add_lora_routes(router, adapters, offload, model_name)
@@ -185,7 +186,8 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
 
     @router.get("/metrics")
     async def prometheus_metrics() -> HTTPResponse:
-        content, content_type = metrics.render()
+        # Off the event loop: behind the replica router a scrape asks every replica for its adapters' use.
+        content, content_type = await asyncio.to_thread(metrics.render)
         return HTTPResponse(content, media_type=content_type)
 
     app.include_router(router)

@@ -4,10 +4,13 @@
 Success is a 200 with a one-line text, as vLLM answers. A bad adapter (missing, corrupt, rank over
 `max_lora_rank`, a name already loaded) is a 400 naming the problem, and nothing is loaded; unloading
 a name not loaded is a 404, unloading one that unfinished requests use a 409 (they are never broken).
+Behind the replica router a load or unload reaches every replica, or none (`ReplicaAdapters`); a
+replica that cannot be reached is a 503.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -15,8 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from fastgen.engine import UnknownLoRAError
+from fastgen.serving.backend import BackendUnavailable, LoRAStateError, ServedAdapters
 from fastgen.serving.http.guard import ApiError, Offload, read_json_object
-from fastgen.serving.lora import LoRAStateError, ServedAdapters
 
 __all__ = ["add_lora_routes", "adapter_cards"]
 
@@ -35,6 +38,11 @@ def _field(body: dict[str, Any], name: str) -> str:
     return value
 
 
+def _unavailable(exc: BackendUnavailable) -> ApiError:
+    """The 503 for a load or unload the engine (or a replica) could not take now."""
+    return ApiError(503, f"the engine is not available: {exc}", code="engine_unavailable")
+
+
 def add_lora_routes(router: APIRouter, adapters: ServedAdapters, offload: Offload, model_name: str) -> None:
     """Add the load and unload routes over `adapters` to `router` (no adapter may take the base's `model_name`)."""
 
@@ -46,7 +54,9 @@ def add_lora_routes(router: APIRouter, adapters: ServedAdapters, offload: Offloa
             raise ApiError(400, f"lora_name {name!r} is the base model's name: requests naming it could not "
                                 "select the adapter", param="lora_name")
         try:
-            await adapters.load(name, path)
+            await asyncio.to_thread(adapters.load, name, path)
+        except BackendUnavailable as exc:
+            raise _unavailable(exc) from None
         except ValueError as exc:
             raise ApiError(400, f"cannot load LoRA adapter {name!r}: {exc}", param="lora_path",
                            code="invalid_lora_adapter") from None
@@ -57,7 +67,9 @@ def add_lora_routes(router: APIRouter, adapters: ServedAdapters, offload: Offloa
         body = await read_json_object(request, offload)
         name = _field(body, "lora_name")
         try:
-            await adapters.unload(name)
+            await asyncio.to_thread(adapters.unload, name)
+        except BackendUnavailable as exc:
+            raise _unavailable(exc) from None
         except UnknownLoRAError as exc:
             raise ApiError(404, str(exc), param="lora_name", code="lora_adapter_not_found") from None
         except LoRAStateError as exc:

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from fastgen.outputs import Response
+from fastgen.serving.backend import ServedAdapters, served_adapters
 from fastgen.serving.http.chat.messages import render_chat_text
 from fastgen.serving.http.chat.output import ChoiceOutput, chat_message
 from fastgen.serving.http.gateway import generation_error
@@ -35,7 +36,6 @@ from fastgen.serving.http.logprobs import chat_logprobs, completion_logprobs, ec
 from fastgen.serving.http.lora_routes import adapter_cards
 from fastgen.serving.http.openai_params import Parsed, ignored_notice, model_not_found, parse_chat, parse_completion
 from fastgen.serving.http.request_models import RequestModels
-from fastgen.serving.lora import ServedAdapters
 
 if TYPE_CHECKING:
     from fastgen.serving.http.gateway import Gateway, Generation
@@ -147,7 +147,7 @@ def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_
     validated as `models` (which refuse unknown fields when the app is strict); chat replies are
     parsed with the server's `tool_call_parser` and `reasoning_parser` formats (None: not parsed).
     A request's `model` is `model_name` or one of the LoRA `adapters`, which `/v1/models` lists too."""
-    adapters = adapters if adapters is not None else ServedAdapters(None)
+    adapters = adapters if adapters is not None else served_adapters(None)
     tokenizer, offload = gateway.tokenizer, gateway.offload
     card: dict[str, Any] = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "fastgen"}
     if max_model_len is not None:

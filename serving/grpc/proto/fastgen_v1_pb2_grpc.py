@@ -59,6 +59,21 @@ class FastGenStub:
                 request_serializer=fastgen__v1__pb2.TerminateRequest.SerializeToString,
                 response_deserializer=fastgen__v1__pb2.TerminateResponse.FromString,
                 _registered_method=True)
+        self.ListLoRA = channel.unary_unary(
+                '/fastgen.v1.FastGen/ListLoRA',
+                request_serializer=fastgen__v1__pb2.ListLoRARequest.SerializeToString,
+                response_deserializer=fastgen__v1__pb2.ListLoRAResponse.FromString,
+                _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/fastgen.v1.FastGen/LoadLoRA',
+                request_serializer=fastgen__v1__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=fastgen__v1__pb2.LoadLoRAResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/fastgen.v1.FastGen/UnloadLoRA',
+                request_serializer=fastgen__v1__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=fastgen__v1__pb2.UnloadLoRAResponse.FromString,
+                _registered_method=True)
 
 
 class FastGenServicer:
@@ -99,6 +114,28 @@ class FastGenServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListLoRA(self, request, context):
+        """The LoRA adapters loaded, and those that requests use now (behind a load balancer: its replicas').
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoRA(self, request, context):
+        """Load a PEFT adapter under a name (on every replica, or on none): INVALID_ARGUMENT naming the problem.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Unload an adapter: NOT_FOUND when none is loaded under the name, FAILED_PRECONDITION while
+        unfinished requests use it (they are never broken).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FastGenServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +163,21 @@ def add_FastGenServicer_to_server(servicer, server):
                     servicer.Terminate,
                     request_deserializer=fastgen__v1__pb2.TerminateRequest.FromString,
                     response_serializer=fastgen__v1__pb2.TerminateResponse.SerializeToString,
+            ),
+            'ListLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRA,
+                    request_deserializer=fastgen__v1__pb2.ListLoRARequest.FromString,
+                    response_serializer=fastgen__v1__pb2.ListLoRAResponse.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=fastgen__v1__pb2.LoadLoRARequest.FromString,
+                    response_serializer=fastgen__v1__pb2.LoadLoRAResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=fastgen__v1__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=fastgen__v1__pb2.UnloadLoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +315,87 @@ class FastGen:
             '/fastgen.v1.FastGen/Terminate',
             fastgen__v1__pb2.TerminateRequest.SerializeToString,
             fastgen__v1__pb2.TerminateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastgen.v1.FastGen/ListLoRA',
+            fastgen__v1__pb2.ListLoRARequest.SerializeToString,
+            fastgen__v1__pb2.ListLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastgen.v1.FastGen/LoadLoRA',
+            fastgen__v1__pb2.LoadLoRARequest.SerializeToString,
+            fastgen__v1__pb2.LoadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastgen.v1.FastGen/UnloadLoRA',
+            fastgen__v1__pb2.UnloadLoRARequest.SerializeToString,
+            fastgen__v1__pb2.UnloadLoRAResponse.FromString,
             options,
             channel_credentials,
             insecure,
