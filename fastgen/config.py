@@ -101,6 +101,7 @@ if TYPE_CHECKING:
         weight_memory: int | float | None = None
         weight_prepack: bool | None = None
         gemv_weights: bool | None = None
+        lm_head_quantization: str | None = None
         tensor_parallel: int | None = None
         replica_num: int | None = None
         speculative_config: SpeculativeConfig | dict | str | None = None

@@ -12,9 +12,11 @@ values, never shapes, and nothing recompiles.
 
 Family code calls its linears with their input alone, so the step's per-token adapter slots
 (`AttentionMetadata.lora_slots`) reach them through the model's one `LoRARows`: a forward pre-hook
-on the model lays the metadata's slots out as one grid for the call (`fastgen.ops.lora.group_by_slot`),
-a forward hook lets go after. The
-delta itself is `fastgen.ops.lora.add_lora_op`, one opaque op per linear.
+on the model lays the metadata's slots out for the call, a forward hook lets go after. Where a kernel
+computes the delta (Triton on a GPU, C++ on a CPU) the slots are all it reads
+(`fastgen.ops.lora.slots_only`, `add_lora_slots_op`): nothing read on the host, so CUDA graphs capture
+adapted steps like any other. Elsewhere they are laid out as one grid for the call
+(`fastgen.ops.lora.group_by_slot`, `add_lora_op`). Either way one opaque op per linear.
 """
 
 from __future__ import annotations
@@ -27,22 +29,29 @@ from torch import nn
 from fastgen.models.lora import LoRAAdapter
 from fastgen.models.parallel import SINGLE, RowParallelLinear, TensorParallel, finish_row_parallel, read_merged_rows
 from fastgen.models.quant import quantizable_linears
-from fastgen.ops.lora import LoRAGrid, add_lora_, add_lora_op, group_by_slot
+from fastgen.ops.lora import (LoRAGrid, add_lora_, add_lora_op, add_lora_slots_, add_lora_slots_op, group_by_slot,
+                              lora_kernel_serves, slots_only)
 
 
 class LoRARows:
     """How the rows of the step the model is running group by adapter slot."""
 
-    def __init__(self, max_loras: int, dtype: torch.dtype) -> None:
+    def __init__(self, max_loras: int, dtype: torch.dtype, kernel: bool) -> None:
         self.max_loras = max_loras
         self.dtype = dtype
+        self.kernel = kernel
+        """Whether a kernel that reads the slots alone computes the delta (`fastgen.ops.lora.lora_kernel_serves`)."""
         self.grid: LoRAGrid | None = None
-        """The step's adapted rows by slot (`fastgen.ops.lora.group_by_slot`); None between calls and in
-        steps that carry no slots."""
+        """The step's adapted rows by slot; None between calls and in steps that carry no slots."""
 
     def bind(self, slot_ids: torch.Tensor | None) -> None:
         """Lay out the step's per-token slots (None: the step carries none, every row runs the base model)."""
-        self.grid = None if slot_ids is None else group_by_slot(slot_ids, self.max_loras, self.dtype)
+        if slot_ids is None:
+            self.grid = None
+        elif self.kernel:
+            self.grid = slots_only(slot_ids)
+        else:
+            self.grid = group_by_slot(slot_ids, self.max_loras, self.dtype)
 
 
 class LoRALinear(nn.Module):
@@ -96,9 +105,15 @@ class LoRALinear(nn.Module):
         if grid is not None and (torch.compiler.is_compiling() or grid.adapted):
             # Eager steps call the function itself: the dispatcher's round trip into Python costs ~15 us a
             # call, paid by every adapted linear of every layer.
-            add = add_lora_op if torch.compiler.is_compiling() else add_lora_
-            add(out.view(-1, self.out_features), x.reshape(-1, self.in_features), self.lora_a, self.lora_b,
-                grid.slot_ids, grid.rows, grid.valid, grid.meta, self.sections)
+            compiling = torch.compiler.is_compiling()
+            out_2d, x_2d = out.view(-1, self.out_features), x.reshape(-1, self.in_features)
+            if grid.rows is None:
+                add_slots = add_lora_slots_op if compiling else add_lora_slots_
+                add_slots(out_2d, x_2d, self.lora_a, self.lora_b, grid.slot_ids, self.sections)
+            else:
+                add = add_lora_op if compiling else add_lora_
+                add(out_2d, x_2d, self.lora_a, self.lora_b, grid.slot_ids, grid.rows, grid.valid, grid.meta,
+                    self.sections)
         if self.reduce:
             out = finish_row_parallel(out, self.base.bias, self.tp, True)
         return out
@@ -185,7 +200,7 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dt
     prepacking or compiling."""
     if max_loras < 1 or max_rank < 1:
         raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
-    rows = LoRARows(max_loras, dtype)
+    rows = LoRARows(max_loras, dtype, lora_kernel_serves(torch.device(device), dtype))
     layers = {}
     for name, linear in quantizable_linears(model, quantized=True).items():
         parent_name, _, child = name.rpartition(".")

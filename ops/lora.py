@@ -15,6 +15,10 @@ SmolLM2-135M's four adapted linears of a layer, 4 adapters) it takes 55 us a lay
 On a GPU it is two Triton kernels (`fastgen.ops.triton_lora`): a shrink, and an expand per section, each
 row reading its own slot's A and B with no host sync.
 
+Both kernels read only each row's slot (`slot_ids`), so a step bound for them is laid out by
+`slots_only`: no host sync on a GPU, where the step is one a CUDA graph can capture and replay (the
+padding rows of a bucket carry slot -1).
+
 Elsewhere (a CPU without a compiler, `FASTGEN_CPU_KERNELS=off`) it is punica's SGMV idea in torch ops.
 Once per step (`group_by_slot`) the rows are laid out as a padded `[slots present, M]` grid, M the most
 rows any present adapter has (one host sync). Then each linear does one gather of its input rows, one
@@ -22,8 +26,8 @@ batched shrink (`bmm` with A^T), one batched expand (`bmm` with B), one mask of 
 index-add into the output: five ops whatever the number of adapters, against three per adapter for a
 loop over them. Steps whose adapters fill only part of the stack gather the present slots' A and B first.
 
-`add_lora_op` is the same function registered as the custom op `fastgen::add_lora_`, which
-`torch.compile` treats as opaque (it reads the grid's size on the host).
+`add_lora_op` (the grid) and `add_lora_slots_op` (the kernels) are the same functions registered as the
+custom ops `fastgen::add_lora_` and `fastgen::add_lora_slots_`, which `torch.compile` treats as opaque.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgen.ops.cpu_kernels import cpu_lora_delta
+from fastgen.ops.cpu_kernels import active_op, cpu_lora_delta
+from fastgen.ops.cpu_kernels.decode import KERNEL_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,19 +46,40 @@ class LoRAGrid:
 
     Every shape depends only on the step's row count T and the stack's slots L, never on how the rows
     split over adapters, so a compiled layer serves every mix without a recompile: the grid's own
-    size travels in `meta`, which the op reads on the host."""
+    size travels in `meta`, which the op reads on the host. A step for the kernels (`slots_only`) has
+    the slots alone: `rows`, `valid` and `meta` are None."""
 
     slot_ids: torch.Tensor
-    """`[T]` int32: each row's slot, -1 for the base model (what the CPU kernel reads)."""
-    rows: torch.Tensor
+    """`[T]` int32: each row's slot, -1 for the base model (what the kernels read)."""
+    rows: torch.Tensor | None
     """`[L * T]` int64: row j of the s-th present slot is entry s * M + j (the rest, padding, point at row 0)."""
-    valid: torch.Tensor
+    valid: torch.Tensor | None
     """`[L * T]`, 1 for a real row and 0 for padding, in the stacks' dtype."""
-    meta: torch.Tensor
+    meta: torch.Tensor | None
     """Host `[2 + L]` int64: S (slots present), M (rows of the fullest), then the present slots in stack
     order (-1 after them)."""
     adapted: bool
-    """Whether any row has an adapter (S > 0), for eager callers to skip the op without reading `meta`."""
+    """Whether any row may have an adapter (S > 0), for eager callers to skip the op without reading `meta`
+    (always True for device slots, which are not read on the host)."""
+
+
+def lora_kernel_serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a kernel that reads only the slots computes the delta of stacks of `dtype` on `device`: the
+    Triton kernels on a GPU, the C++ kernel on a CPU that has built it (compiled here at first use)."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and dtype in KERNEL_DTYPES and active_op("lora_delta") is not None
+
+
+def slots_only(slot_ids: torch.Tensor) -> LoRAGrid:
+    """The step of rows with `slot_ids` (`[T]`, -1 = the base model) as the kernels read it. On a GPU nothing
+    is read on the host (what lets a CUDA graph capture the step with its padding rows at -1); on a CPU
+    one check says whether any row is adapted, so a base-only eager step skips the calls."""
+    if slot_ids.dim() != 1:
+        raise ValueError(f"slot_ids must be one slot per row, got shape {tuple(slot_ids.shape)}")
+    slot_ids = slot_ids.to(torch.int32).contiguous()
+    adapted = slot_ids.is_cuda or bool(slot_ids.numel()) and int(slot_ids.max()) >= 0
+    return LoRAGrid(slot_ids, None, None, None, adapted)
 
 
 def group_by_slot(slot_ids: torch.Tensor, num_slots: int, dtype: torch.dtype) -> LoRAGrid:
@@ -94,17 +120,11 @@ def add_lora_(
     output_sizes: list[int],
 ) -> None:
     """Add to `output[T, out]`, in place, on each row with an adapter slot, that slot's LoRA delta of
-    `x[T, in]`; rows of the base model keep the base output. `slot_ids`, `rows`, `valid` and `meta` are
-    the step's `LoRAGrid`; `output_sizes` the linear's sections (`[out]` for an unmerged one)."""
+    `x[T, in]` in torch ops; rows of the base model keep the base output. `slot_ids`, `rows`, `valid` and
+    `meta` are the step's `LoRAGrid` (`group_by_slot`); `output_sizes` the linear's sections (`[out]` for an
+    unmerged one)."""
     num_slots = int(meta[0])
     if num_slots == 0:
-        return
-    if output.is_cuda:
-        from fastgen.ops.triton_lora import triton_lora_delta  # noqa: PLC0415 - imports triton, only where it runs
-
-        triton_lora_delta(output, x, lora_a, lora_b, slot_ids, output_sizes)
-        return
-    if cpu_lora_delta(output, x, lora_a, lora_b, slot_ids, output_sizes):
         return
     width, *slots = meta[1:].tolist()
     if rows.shape[0] < num_slots * width or len(slots) != lora_a.shape[0]:
@@ -119,19 +139,38 @@ def add_lora_(
     output.index_add_(0, rows, delta.view(num_slots * width, output.shape[1]))
 
 
+def add_lora_slots_(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    slot_ids: torch.Tensor, output_sizes: list[int]) -> None:
+    """`add_lora_`'s delta from the slots alone (`slots_only`): the Triton kernels on a GPU, the C++ kernel on
+    a CPU, and the torch grid for tensors the C++ kernel does not take (a mixed dtype, strided rows)."""
+    if output.is_cuda:
+        from fastgen.ops.triton_lora import triton_lora_delta  # noqa: PLC0415 - imports triton, only where it runs
+
+        triton_lora_delta(output, x, lora_a, lora_b, slot_ids, output_sizes)
+    elif not cpu_lora_delta(output, x, lora_a, lora_b, slot_ids, output_sizes):
+        grid = group_by_slot(slot_ids, lora_a.shape[0], lora_a.dtype)
+        add_lora_(output, x, lora_a, lora_b, grid.slot_ids, grid.rows, grid.valid, grid.meta, output_sizes)
+
+
 # Registered like `fastgen::paged_attention` (see there for why `torch.library.Library`): one opaque op a
 # compiled layer calls.
 _LIBRARY = torch.library.Library("fastgen", "FRAGMENT")
 _LIBRARY.define("add_lora_(Tensor(a!) output, Tensor x, Tensor lora_a, Tensor lora_b, Tensor slot_ids, "
                 "Tensor rows, Tensor valid, Tensor meta, int[] output_sizes) -> ()")
 _LIBRARY.impl("add_lora_", add_lora_, "CompositeExplicitAutograd")
+_LIBRARY.define("add_lora_slots_(Tensor(a!) output, Tensor x, Tensor lora_a, Tensor lora_b, Tensor slot_ids, "
+                "int[] output_sizes) -> ()")
+_LIBRARY.impl("add_lora_slots_", add_lora_slots_, "CompositeExplicitAutograd")
 
 
-def _fake(output, x, lora_a, lora_b, slot_ids, rows, valid, meta, output_sizes):
+def _fake(*args) -> None:
     return None
 
 
 torch.library.register_fake("fastgen::add_lora_", _fake, lib=_LIBRARY)
+torch.library.register_fake("fastgen::add_lora_slots_", _fake, lib=_LIBRARY)
 
 add_lora_op = torch.ops.fastgen.add_lora_
 """`fastgen::add_lora_`: `add_lora_`'s contract, as one op a compiled layer calls."""
+add_lora_slots_op = torch.ops.fastgen.add_lora_slots_
+"""`fastgen::add_lora_slots_`: `add_lora_slots_`'s contract, as one op a compiled layer calls."""

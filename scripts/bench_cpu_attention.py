@@ -26,7 +26,7 @@ from bench_common import write_json
 
 import fastgen.ops  # noqa: F401  (registers the fastgen:: ops)
 from fastgen.ops import allocate_kv_cache
-from fastgen.ops.cpu_kernels import cpu_decode_rows, cpu_kernel_isa, load_paged_decode
+from fastgen.ops.cpu_kernels import cpu_decode_rows, cpu_kernel_isa, kernel_op
 from fastgen.ops.paged_attention import cpu_paged_attention, torch_paged_attention
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     isa = cpu_kernel_isa()
     start = time.perf_counter()
-    if isa is None or load_paged_decode(isa) is None:
+    if isa is None or kernel_op("paged_decode", isa) is None:
         print("the C++ CPU kernel is off or could not be built here; nothing to compare", file=sys.stderr)
         return 1
     print(f"kernel {isa}: ready in {time.perf_counter() - start:.2f} s; {torch.get_num_threads()} threads")

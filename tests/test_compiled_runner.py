@@ -92,6 +92,99 @@ def test_cuda_graphs_replay_every_bucket(model_type, tiny_checkpoints):
     assert graphed == eager
 
 
+def _adapted_mix(family, **options) -> tuple[list[list[int]], list[list[int]], fastgen.Pipeline]:
+    """Every prompt of the LoRA `family` under the base model and each adapter, interleaved in one call:
+    (tokens, peft's tokens, the pipeline)."""
+    from kit_lora import ENGINE, NUM_NEW
+
+    pipe = fastgen.pipeline(family.path, **{**ENGINE, **options})
+    pipe.engine.eos_token_ids = set()
+    for name, adapter in family.adapters.items():
+        pipe.load_lora(name, adapter)
+    kinds = [None, *family.adapters]
+    loras = [kind for _ in family.prompts for kind in kinds]
+    prompts = [prompt for prompt in family.prompts for _ in kinds]
+    want = [family.want[kind][i] for i in range(len(family.prompts)) for kind in kinds]
+    out = pipe(prompts, lora=loras, max_new_tokens=NUM_NEW, do_sample=False)
+    return [r.token_ids for r in out], want, pipe
+
+
+def test_padded_buckets_serve_adapters(lora_families):
+    """LoRA through the path CUDA graphs take: every step padded to a compiled bucket, padding rows at slot -1,
+    the delta from the kernel that reads the slots alone (`slots_only`: no host grid) where it runs here."""
+    from fastgen.ops.lora import lora_kernel_serves
+
+    family = lora_families("llama")
+    tokens, want, pipe = _adapted_mix(family, compile="default", buckets=[16])
+    assert tokens == want
+    rows = next(iter(pipe.engine.runner.lora.layers.values())).rows
+    assert rows.kernel == lora_kernel_serves(torch.device("cpu"), torch.float32)
+    pipe.destroy()
+
+
+def test_gpu_plan_keeps_graphs_with_lora(lora_families):
+    """LoRA no longer turns CUDA graphs off: the plan keeps them and says why adapted steps replay."""
+    from fastgen.planning.hardware import GPUInfo, Hardware
+    from fastgen.planning.model_facts import model_facts
+    from fastgen.planning.policy import make_plan
+
+    h100 = Hardware("cuda", 32, frozenset({"avx512f"}), "AVX512", 500 << 30,
+                    (GPUInfo("NVIDIA H100 80GB HBM3", (9, 0), 80 << 30, 79 << 30, 132),))
+    facts = model_facts(lora_families("llama").path)
+    for user in ({}, {"cuda_graphs": True}):
+        plan = make_plan(facts, h100, enable_lora=True, **user)
+        assert plan.cuda_graphs and plan.enable_lora and "adapter slot is a step input" in plan.reasons["cuda_graphs"]
+
+
+def _write_adapter(base: str, out: str, seed: int, rank: int = 4) -> str:
+    """A PEFT LoRA adapter of q_proj, v_proj and down_proj with random A and B, written by hand (the GPU
+    machine has no peft; the CPU tests check the same loader against peft's own files)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    config = json.load(open(os.path.join(base, "config.json")))
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.v_proj": (hidden, kv), "mlp.down_proj": (inter, hidden)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (d_in, d_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=generator) / d_in ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=generator)
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"))
+    json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj",
+                                                                                        "down_proj"]},
+              open(os.path.join(out, "adapter_config.json"), "w"))
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (scripts/device_check.sh runs this)")
+def test_cuda_graphs_replay_adapted_steps(tiny_checkpoints, tmp_path):
+    """On a GPU: LoRA with CUDA graphs, each bucket captured with its adapter slots as a step input, gives the
+    eager runner's tokens (fp32) for base rows and two adapters mixed in every step."""
+    path = tiny_checkpoints["llama"]
+    adapters = {name: _write_adapter(path, str(tmp_path / name), seed) for name, seed in (("a", 1), ("b", 2))}
+    loras = [None, "a", "b"] * 4
+    prompts = [prompt for prompt in _prompts()[:4] for _ in range(3)]
+    options = {**SMALL, "dtype": "float32", "device": "cuda", "enable_lora": True, "max_loras": 2}
+    results = []
+    for extra in (dict(compile="off", cuda_graphs=False), dict(compile="default", cuda_graphs=True)):
+        pipe = fastgen.pipeline(path, **options, **extra)
+        pipe.engine.eos_token_ids = set()
+        for name, adapter in adapters.items():
+            pipe.load_lora(name, adapter)
+        results.append([r.token_ids for r in pipe(prompts, lora=loras, max_new_tokens=12, do_sample=False)])
+    eager, graphed = results
+    assert sorted(pipe.engine.runner._graphs) == sorted(pipe.engine.runner.buckets)
+    assert graphed == eager
+    assert eager[0] != eager[1] != eager[2], "the adapters change nothing"
+
+
 def test_eager_cpu_runner_warms_up_one_full_step(tiny_checkpoints):
     """An eager CPU runner runs one all-padding step of its token budget at start (capped for large
     budgets), touching no KV block (the parity tests check what eager runners serve after it)."""

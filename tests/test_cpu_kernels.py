@@ -21,7 +21,7 @@ import torch
 import fastgen
 
 from fastgen.ops import write_kv_cache
-from fastgen.ops.cpu_kernels import (ENV_VAR, build_dir, cpu_kernel_isa, load_paged_decode, pick_isa, requested_isa,
+from fastgen.ops.cpu_kernels import (ENV_VAR, build_dir, cpu_kernel_isa, kernel_op, pick_isa, requested_isa,
                                      supported_isas)
 from fastgen.planning.hardware import Hardware
 from fastgen.planning.model_facts import model_facts
@@ -43,7 +43,7 @@ def kernel_isa() -> str:
     isa = pick_isa(supported_isas(), "auto")
     if isa is None:
         pytest.skip("this CPU has no AVX2: no C++ CPU kernel variant runs here")
-    if load_paged_decode(isa) is None:
+    if kernel_op("paged_decode", isa) is None:
         pytest.skip("the C++ CPU kernels could not be built here (see the log line)")
     return isa
 
@@ -142,7 +142,7 @@ def test_multi_row_queries_through_the_kernel(kernel_isa, dtype, flags):
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     out = torch.zeros_like(query)
     sinks = None if h.sinks is None else h.sinks.float()
-    load_paged_decode(kernel_isa)(out, query, k_cache, v_cache, tables, seq_lens, starts, scale, h.window, h.softcap,
+    kernel_op("paged_decode", kernel_isa)(out, query, k_cache, v_cache, tables, seq_lens, starts, scale, h.window, h.softcap,
                                   sinks, h.chunk, 8)
     served = torch.zeros(query.shape[0], dtype=torch.bool)
     bounds = starts.tolist()
@@ -197,7 +197,7 @@ def test_forced_isa_variants(kernel_isa, isa, monkeypatch):
         pytest.skip(f"this CPU does not run {isa}")
     monkeypatch.setenv(ENV_VAR, isa)
     assert cpu_kernel_isa() == isa
-    assert load_paged_decode(isa) is not None
+    assert kernel_op("paged_decode", isa) is not None
     monkeypatch.setattr(paged_attention_module, "attend_decode_rows", None)  # a decode row on torch would fail
     for dtype in (torch.float32, torch.bfloat16):
         h = _Harness(block_size=16, num_q_heads=9, num_kv_heads=3, head_dim=80, dtype=dtype, seed=2)

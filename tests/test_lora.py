@@ -13,8 +13,8 @@ from fastgen.models.config import ModelConfig
 from fastgen.models.loader import build_empty_model
 from fastgen.models.lora import load_lora_adapter
 from fastgen.models.lora_layers import LoRALinear, LoRARows
-from fastgen.ops.cpu_kernels import ENV_VAR, ISAS, cpu_kernel_isa, load_lora_delta, supported_isas
-from fastgen.ops.lora import add_lora_, group_by_slot
+from fastgen.ops.cpu_kernels import ENV_VAR, ISAS, cpu_kernel_isa, kernel_op, supported_isas
+from fastgen.ops.lora import add_lora_, add_lora_slots_, group_by_slot, lora_kernel_serves, slots_only
 from kit import build_checkpoint
 
 
@@ -35,14 +35,15 @@ def setup(tmp_path_factory):
     return root, model, adapters
 
 
-def _adapted_qkv(model, adapters, weight, max_rank=8) -> LoRALinear:
-    """A LoRA-wrapped merged q/k/v linear over `weight`, adapter a in slot 0 and b in slot 1."""
+def _adapted_qkv(model, adapters, weight, max_rank=8, kernel=False) -> LoRALinear:
+    """A LoRA-wrapped merged q/k/v linear over `weight`, adapter a in slot 0 and b in slot 1; its rows go
+    to the C++ kernel (`kernel`) or the torch grid."""
     module = "model.layers.0.self_attn.qkv_proj"
     shape = model.get_submodule(module)
     base = nn.Linear(shape.in_features, shape.out_features, bias=False)
     base.output_sizes = list(shape.output_sizes)
     base.weight.data.copy_(weight)
-    linear = LoRALinear(base, 2, max_rank, LoRARows(2, torch.float32), torch.float32, torch.device("cpu"))
+    linear = LoRALinear(base, 2, max_rank, LoRARows(2, torch.float32, kernel), torch.float32, torch.device("cpu"))
     assert linear.rank == 3 * max_rank  # q, k and v's pairs stacked along the rank
     for slot, name in enumerate(("a", "b")):
         loaded = load_lora_adapter(name, adapters[name][0], model, max_lora_rank=max_rank)
@@ -55,7 +56,10 @@ def _run(linear: LoRALinear, x: torch.Tensor, slots: torch.Tensor) -> torch.Tens
     return linear(x)
 
 
-def test_mixed_batch_matches_peft(setup):
+@pytest.mark.parametrize("kernel", [False, True], ids=["grid", "kernel"])
+def test_mixed_batch_matches_peft(setup, kernel):
+    if kernel and not lora_kernel_serves(torch.device("cpu"), torch.float32):
+        pytest.skip("the C++ CPU kernels cannot run here")
     _, model, adapters = setup
     torch.manual_seed(0)
     x = torch.randn(6, 64)
@@ -63,7 +67,7 @@ def test_mixed_batch_matches_peft(setup):
     layers = {n: pm.base_model.model.model.layers[0].self_attn for n, (_, pm) in adapters.items()}
     attn = layers["a"]
     base_w = torch.cat([attn.q_proj.base_layer.weight, attn.k_proj.weight, attn.v_proj.base_layer.weight])
-    linear = _adapted_qkv(model, adapters, base_w)
+    linear = _adapted_qkv(model, adapters, base_w, kernel=kernel)
     with torch.no_grad():
         out = _run(linear, x, slots)
         for row, slot in enumerate(slots.tolist()):
@@ -151,15 +155,16 @@ def _stacks(num_slots: int, rank: int, d_in: int, sections: list[int], dtype: to
 
 
 def _path(path: str, monkeypatch) -> None:
-    """Send `add_lora_` down `path`: the C++ kernel (skipped where it cannot be built) or the torch grid."""
+    """Send the delta down `path`: the C++ kernel (skipped where it cannot be built), the torch grid, or
+    `add_lora_slots_` with the kernel off (its fallback onto the grid)."""
     monkeypatch.setenv(ENV_VAR, "auto" if path == "kernel" else "off")
-    if path == "kernel" and (cpu_kernel_isa() is None or load_lora_delta(cpu_kernel_isa()) is None):
+    if path == "kernel" and (cpu_kernel_isa() is None or kernel_op("lora_delta", cpu_kernel_isa()) is None):
         pytest.skip("the C++ CPU kernels cannot run here")
     if path == "kernel":  # a row left to the torch grid would fail the test
         monkeypatch.setattr(torch, "bmm", None)
 
 
-@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("path", ["kernel", "torch", "fallback"])
 @pytest.mark.parametrize("sections", [[40], [16, 24], [13, 20, 7]], ids=["one", "two", "three-odd"])
 @pytest.mark.parametrize("slot_ids", [[3, -1, 0, 3, 3, 5, -1, 0, 3], [1, 1, 1], [0, 1, 2, 3, 4, 5, 5, 4], [-1, -1]],
                          ids=["uneven-some-slots", "one-slot", "every-slot", "base-only"])
@@ -172,13 +177,18 @@ def test_delta_equals_a_row_by_row_loop(slot_ids, sections, path, monkeypatch):
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(len(slot_ids), d_in, generator=generator)
     base = torch.randn(len(slot_ids), sum(sections), generator=generator)
-    grid = group_by_slot(torch.tensor(slot_ids, dtype=torch.int32), num_slots, torch.float32)
     out = base.clone()
     present = sorted({s for s in slot_ids if s >= 0})
-    assert grid.meta.tolist()[:2 + len(present)] == [len(present), max(map(slot_ids.count, present), default=0),
-                                                       *present]
-    assert grid.rows.shape == grid.valid.shape == (num_slots * len(slot_ids),)  # whatever the mix
-    add_lora_(out, x, a, b, grid.slot_ids, grid.rows, grid.valid, grid.meta, sections)
+    if path != "torch":
+        grid = slots_only(torch.tensor(slot_ids, dtype=torch.int64))
+        assert grid.rows is None and grid.slot_ids.dtype == torch.int32 and grid.adapted == bool(present)
+        add_lora_slots_(out, x, a, b, grid.slot_ids, sections)
+    else:
+        grid = group_by_slot(torch.tensor(slot_ids, dtype=torch.int32), num_slots, torch.float32)
+        assert grid.meta.tolist()[:2 + len(present)] == [len(present), max(map(slot_ids.count, present), default=0),
+                                                           *present]
+        assert grid.rows.shape == grid.valid.shape == (num_slots * len(slot_ids),)  # whatever the mix
+        add_lora_(out, x, a, b, grid.slot_ids, grid.rows, grid.valid, grid.meta, sections)
     want = torch.stack([base[i].double() + (x[i].double() @ a[s].double().t() @ b[s].double() if s >= 0 else 0)
                         for i, s in enumerate(slot_ids)])
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
@@ -192,7 +202,7 @@ def test_kernel_variants_and_dtypes_match_float64(isa, dtype, monkeypatch):
     if isa not in supported_isas():
         pytest.skip(f"this CPU does not run {isa}")
     monkeypatch.setenv(ENV_VAR, isa)
-    if load_lora_delta(isa) is None:
+    if kernel_op("lora_delta", isa) is None:
         pytest.skip("the C++ CPU kernels cannot be built here")
     monkeypatch.setattr(torch, "bmm", None)
     for d_in, sections, rank in ((576, [576, 192, 192], 48), (1536, [576], 16), (70, [35, 18], 10)):
@@ -201,9 +211,8 @@ def test_kernel_variants_and_dtypes_match_float64(isa, dtype, monkeypatch):
         generator = torch.Generator().manual_seed(5)
         x = torch.randn(slots.shape[0], d_in, generator=generator).to(dtype)
         base = torch.randn(slots.shape[0], sum(sections), generator=generator).to(dtype)
-        grid = group_by_slot(slots, 4, dtype)
         out = base.clone()
-        add_lora_(out, x, a, b, grid.slot_ids, grid.rows, grid.valid, grid.meta, sections)
+        add_lora_slots_(out, x, a, b, slots, sections)
         want = torch.stack([base[i].double() + (x[i].double() @ a[s].double().t() @ b[s].double() if s >= 0 else 0)
                             for i, s in enumerate(slots.tolist())])
         eps = torch.finfo(dtype).eps

@@ -24,6 +24,7 @@ from fastgen.models.loader import LoadedModel, load_model
 from fastgen.models.lora_layers import attach_lora
 from fastgen.models.packed import prepack_linears
 from fastgen.models.parallel import SINGLE, TensorParallel
+from fastgen.models.q8_head import quantize_lm_head
 from fastgen.models.registry import get_model_class
 from fastgen.executor.host_allocator import keep_host_temporaries
 from fastgen.executor.offload import STREAMER_ATTR, install_offload, new_streamer
@@ -116,6 +117,8 @@ class ModelRunner:
         # the adapter stacks as graph inputs).
         self.lora = attach_lora(model, plan.max_loras, plan.max_lora_rank, dtype, device) if plan.enable_lora else None
         """The model's LoRA linears, whose slots the engine's adapter manager fills (None: LoRA is off)."""
+        if plan.lm_head_quantization == "q8_0":  # before prepacking, which would pack the head
+            quantize_lm_head(model)
         if plan.weight_prepack:
             prepack_linears(model, gemv=plan.gemv_weights)
         self.offload = install_offload(model, spec, device)

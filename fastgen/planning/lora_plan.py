@@ -84,12 +84,3 @@ def choose_lora(model: ModelFacts, user: dict[str, Any], dtype: torch.dtype, tp:
                                  "columns of a row-parallel one), counted here at the whole")
     return LoRAChoice(True, max_loras, rank, max_cpu, stacks, reasons)
 
-
-def without_graphs_for_lora(user: dict[str, Any], reasons: dict[str, str]) -> bool:
-    """No CUDA graphs with LoRA (False, with the reason); the user's cuda_graphs=True is a ValueError."""
-    why = ("the LoRA delta groups each step's rows by adapter on the host (punica's segments in torch ops), which a "
-           "captured graph cannot replay")
-    if user.get("cuda_graphs"):
-        raise ValueError(f"enable_lora=True needs cuda_graphs=False: {why}")
-    reasons["cuda_graphs"] = f"off: {why}; each layer still compiles"
-    return False

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fastgen.models.config import parse_dtype
+from fastgen.models.q8_head import LM_HEAD_QUANTIZATIONS
 from fastgen.models.quant import INT4_GROUP_SIZES, QUANTIZATIONS
 from fastgen.planning.speculative import SpeculativeConfig, check_speculative_config, parse_speculative_config
 
@@ -194,6 +195,11 @@ class Plan:
         "at most 4 rows (batch-1 decode) multiply over them with their output rows split over the cores, which "
         "the packed kernel does on one core (a tied LM head reads the embedding's weight, no copy)",
         "bool | None", parse_bool, _check_bool)
+    lm_head_quantization: str = plan_field(
+        'the LM head\'s weight: "none" (the plan dtype) or "q8_0" (GGUF\'s Q8_0: int8 in blocks of 32 inputs with '
+        "an fp16 scale each, multiplied by fastgen's C++ CPU kernel against each hidden row quantized the same "
+        "way, as llama.cpp computes a Q8_0 output layer; CPU only)", "str | None", str,
+        _check_choice(LM_HEAD_QUANTIZATIONS))
     tensor_parallel: int = plan_field(
         "ranks each replica's weights and KV cache are split over (one per GPU; on a CPU they share the cores; "
         "WORLD_SIZE under torchrun)", "int | None", int, _check_positive_int)

@@ -22,7 +22,8 @@ from fastgen.ops.cpu_kernels import ENV_VAR, ISA_NOTES, MAX_QUERY_LEN, build_dir
 from fastgen.ops.packed_linear import PREPACK_DTYPES, prepack_available
 from fastgen.ops.prefault import prefault_supported
 from fastgen.planning.hardware import Hardware, detect_hardware
-from fastgen.planning.lora_plan import choose_lora, without_graphs_for_lora
+from fastgen.planning.head_plan import choose_lm_head_quantization, q8_head_bytes
+from fastgen.planning.lora_plan import choose_lora
 from fastgen.planning.memory import (CPU_KV_RAM_FRACTION, GPU_MEMORY_FRACTION, activation_reserve,
                                      check_fits, choose_group_size, choose_quantization, divides_heads, gpu_need,
                                      kv_room, tp_candidates, usable_gpu_bytes, weights_label)
@@ -117,10 +118,14 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     reasons["offload"] = "set by the user" if "offload" in user else stream.offload_reason
     blocker = _prepack_blocker(hardware, dtype, quant, stream.offload)
     prepack = pick("weight_prepack", lambda: _choose_weight_prepack(blocker))
+    head_quant, reasons["lm_head_quantization"] = choose_lm_head_quantization(model, hardware, user, dtype)
+    if head_quant == "q8_0":
+        # Beside a tied head's embedding; in place of an untied head's weight, dropped once quantized.
+        weights += q8_head_bytes(model) - (0 if model.config.tie_word_embeddings else model.head_weight_bytes(dtype))
     if prepack:
         if blocker is not None:
             raise ValueError(f"weight_prepack=True cannot apply: {blocker}")
-        if model.config.tie_word_embeddings:
+        if model.config.tie_word_embeddings and head_quant == "none":
             # The packed LM head (each rank's vocabulary rows) is a copy beside the embedding it was tied to.
             copy = model.head_weight_bytes(dtype)
             weights += copy
@@ -141,7 +146,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     lora = choose_lora(model, user, dtype, tp, stream.offload)
     reasons.update(lora.reasons)
     if lora.enable_lora and graphs:
-        graphs = without_graphs_for_lora(user, reasons)
+        reasons["cuda_graphs"] += ("; LoRA too: each token's adapter slot is a step input that the Triton LoRA kernels "
+                                   "read on the GPU, so adapted steps replay like any other")
     if compile_mode == "off" and not graphs and "buckets" not in user:
         reasons["buckets"] += "; unused while compile is off and there are no CUDA graphs (steps run at exact shapes)"
     # With offload only weight_memory stays on the device; a "cpu" source on a CPU takes RAM besides.
@@ -161,7 +167,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
                 buckets=tuple(buckets), token_budget=budget, context_per_budget_token=context, max_seqs=max_seqs,
                 block_size=block_size, state_slots=state_slots, kv_prefault=prefault,
                 kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory,
-                weight_prepack=prepack, gemv_weights=gemv, tensor_parallel=tp, replica_num=replicas,
+                weight_prepack=prepack, gemv_weights=gemv, lm_head_quantization=head_quant, tensor_parallel=tp,
+                replica_num=replicas,
                 speculative_config=spec, structured_outputs_backend=grammar, enable_lora=lora.enable_lora,
                 max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank, max_cpu_loras=lora.max_cpu_loras,
                 reasons=reasons)

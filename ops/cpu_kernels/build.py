@@ -20,11 +20,12 @@ import time
 import torch
 
 from fastgen.ops.cache_dir import fastgen_cache_dir
-from fastgen.ops.cpu_kernels.isa import ISA_FLAGS
+from fastgen.ops.cpu_kernels.isa import ISA_FLAGS, cpu_kernel_isa
 
 logger = logging.getLogger("fastgen")
 
-SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("paged_decode.cpp", "lora_delta.cpp"))
+SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("paged_decode.cpp", "lora_delta.cpp",
+                                                                               "q8_matmul.cpp"))
 """The kernels' C++ sources, compiled into one library."""
 
 HEADERS = (os.path.join(os.path.dirname(__file__), "simd.h"),)
@@ -80,14 +81,14 @@ def _load_library(isa: str) -> bool:
 
 
 @functools.cache
-def load_paged_decode(isa: str) -> torch._ops.OpOverloadPacket | None:
-    """`fastgen::paged_decode_<isa>` (see `paged_decode.cpp`), built or found in the cache on the first call
-    of a process; None when it cannot be built."""
-    return getattr(torch.ops.fastgen, f"paged_decode_{isa}") if _load_library(isa) else None
+def kernel_op(name: str, isa: str) -> torch._ops.OpOverloadPacket | None:
+    """`fastgen::<name>_<isa>`, one of the library's ops (`paged_decode`: `paged_decode.cpp`; `lora_delta`:
+    `lora_delta.cpp`), built or found in the cache on the first call of a process; None when it cannot be built."""
+    return getattr(torch.ops.fastgen, f"{name}_{isa}") if _load_library(isa) else None
 
 
-@functools.cache
-def load_lora_delta(isa: str) -> torch._ops.OpOverloadPacket | None:
-    """`fastgen::lora_delta_<isa>` (see `lora_delta.cpp`), built or found in the cache on the first call of a
-    process; None when it cannot be built."""
-    return getattr(torch.ops.fastgen, f"lora_delta_{isa}") if _load_library(isa) else None
+def active_op(name: str) -> torch._ops.OpOverloadPacket | None:
+    """`kernel_op(name, isa)` for the ISA variant this process runs now (`cpu_kernel_isa`: the CPU's best, or
+    what `FASTGEN_CPU_KERNELS` asks for); None where the kernels are off or cannot be built."""
+    isa = cpu_kernel_isa()
+    return kernel_op(name, isa) if isa is not None else None

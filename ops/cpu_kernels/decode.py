@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fastgen.ops.cpu_kernels.build import load_paged_decode
-from fastgen.ops.cpu_kernels.isa import cpu_kernel_isa
+from fastgen.ops.cpu_kernels.build import active_op
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Cache dtypes the kernel reads (the query in the same dtype)."""
@@ -62,8 +61,7 @@ def cpu_decode_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     not take these tensors (`kernel_serves`). This step's K/V must already be in the cache."""
     if not kernel_serves(query, k_cache, v_cache):
         return False
-    isa = cpu_kernel_isa()
-    op = load_paged_decode(isa) if isa is not None else None
+    op = active_op("paged_decode")
     if op is None:
         return False
     int32 = (t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()

@@ -24,7 +24,8 @@ _COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c")
 
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
-    "avx512_bf16": _COMMON_FLAGS + _AVX512 + ("-mavx512bf16",),
+    # Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later) has AVX512-VNNI too.
+    "avx512_bf16": _COMMON_FLAGS + _AVX512 + ("-mavx512bf16", "-mavx512vnni"),
     "avx512": _COMMON_FLAGS + _AVX512,
     "avx2": _COMMON_FLAGS + ("-mavx2", "-mfma", "-mf16c"),
 }

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fastgen.ops.cpu_kernels.build import load_lora_delta
+from fastgen.ops.cpu_kernels.build import active_op
 from fastgen.ops.cpu_kernels.decode import KERNEL_DTYPES
-from fastgen.ops.cpu_kernels.isa import cpu_kernel_isa
 
 
 def cpu_lora_delta(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -21,8 +20,7 @@ def cpu_lora_delta(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, 
     if (output.device.type != "cpu" or dtype not in KERNEL_DTYPES or x.dtype != dtype or lora_a.dtype != dtype
             or lora_b.dtype != dtype or output.stride(1) != 1):
         return False
-    isa = cpu_kernel_isa()
-    op = load_lora_delta(isa) if isa is not None else None
+    op = active_op("lora_delta")
     if op is None:
         return False
     op(output, x if x.stride(1) == 1 else x.contiguous(), lora_a, lora_b, slot_ids, output_sizes)

@@ -1,0 +1,48 @@
+"""The plan's `lm_head_quantization`: whether the LM head is held in GGUF's Q8_0 (`fastgen.models.q8_head`),
+and what it then takes beside the weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fastgen.ops.cpu_kernels import ENV_VAR, isas_from_flags, pick_isa, requested_isa
+from fastgen.ops.cpu_kernels.q8 import BLOCK
+from fastgen.planning.hardware import Hardware
+from fastgen.planning.model_facts import ModelFacts
+
+
+def q8_head_bytes(model: ModelFacts) -> int:
+    """Bytes of the LM head in Q8_0: an int8 per weight and an fp16 scale per block of 32."""
+    return model.vocab_size * model.hidden_size * (BLOCK + 2) // BLOCK
+
+
+def _blocker(model: ModelFacts, hw: Hardware) -> str | None:
+    """Why this machine or model cannot hold the head in Q8_0 (None: it can)."""
+    if hw.device_type != "cpu":
+        return f"its kernel is fastgen's C++ CPU kernel, and this plan is for {hw.device_type}"
+    if model.hidden_size % BLOCK:
+        return f"Q8_0 blocks are {BLOCK} inputs wide and the hidden size is {model.hidden_size}"
+    if pick_isa(isas_from_flags(hw.cpu_flags), requested_isa()) is None:
+        return f"fastgen's C++ CPU kernels are off ({ENV_VAR}) or this CPU has no AVX2"
+    if not hw.cpp_compiler:
+        return "no C++ compiler ($CXX, else c++) to build fastgen's CPU kernels at first use"
+    return None
+
+
+def choose_lm_head_quantization(model: ModelFacts, hw: Hardware, user: dict[str, Any],
+                                dtype: torch.dtype) -> tuple[str, str]:
+    """`lm_head_quantization` and its reason; ValueError for a user's "q8_0" that cannot run here."""
+    blocker = _blocker(model, hw)
+    if user.get("lm_head_quantization") == "q8_0":
+        if blocker is not None:
+            raise ValueError(f"lm_head_quantization='q8_0' cannot apply: {blocker}")
+        return "q8_0", "set by the user"
+    if "lm_head_quantization" in user:
+        return "none", "set by the user"
+    if blocker is not None:
+        return "none", f"the plan dtype: Q8_0 cannot apply ({blocker})"
+    return "none", ("the plan dtype; 'q8_0' reads 1.06 bytes a weight instead of "
+                    f"{torch.empty((), dtype=dtype).element_size()} (llama.cpp's precision for a GGUF file's Q8_0 "
+                    "output layer), with hidden rows quantized to int8 too")

@@ -1,0 +1,45 @@
+"""Matmuls against GGUF's Q8_0 layout on the C++ CPU kernel (`q8_matmul.cpp`), and the layout itself.
+
+Q8_0 holds a weight `[N, K]` as int8 values in blocks of 32 along K with one fp16 scale a block: the
+precision llama.cpp gives a model's output layer (SmolLM2's Q4_1 file keeps its tied embedding, the LM
+head, in Q8_0). The kernel quantizes each row of x to Q8_0 too and sums int8 products, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastgen.ops.cpu_kernels.build import active_op
+
+BLOCK = 32
+"""Values per Q8_0 block (one scale each)."""
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` `[N, K]` (K a multiple of 32) as Q8_0: int8 values `[N, K]` and fp16 scales `[N, K / 32]`,
+    scale = max |w| / 127 of each block and values rounded to nearest (llama.cpp's quantize_row_q8_0)."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"Q8_0 needs a width that is a multiple of {BLOCK}, got {k}")
+    blocks = weight.detach().float().view(n, k // BLOCK, BLOCK)
+    scales = blocks.abs().amax(dim=-1) / 127.0
+    inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    values = torch.round(blocks * inverse.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8).view(n, k)
+    return values, scales.to(torch.float16)
+
+
+def dequantize_q8_0(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight `[N, K]` that Q8_0 `values` and `scales` stand for."""
+    n, k = values.shape
+    return (values.float().view(n, k // BLOCK, BLOCK) * scales.float().unsqueeze(-1)).view(n, k)
+
+
+def cpu_q8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """fp32 `x @ W^T` `[M, N]` for `x` `[M, K]` (fp32, bf16 or fp16) and W in Q8_0 (`quantize_q8_0`); None
+    where the kernels are off (`FASTGEN_CPU_KERNELS`) or could not be built, or `x` is not on the CPU."""
+    op = active_op("q8_matmul") if x.device.type == "cpu" else None
+    if op is None:
+        return None
+    out = torch.empty(x.shape[0], values.shape[0], dtype=torch.float32)
+    op(out, x if x.stride(-1) == 1 else x.contiguous(), values, scales)
+    return out
