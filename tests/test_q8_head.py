@@ -14,7 +14,7 @@ from gguf import quants
 from safetensors.torch import load_file
 
 import fastgen
-from fastgen.models.q8_head import Q8LMHead
+from fastgen.models.q8_head import Q8_MAX_ROWS, Q8LMHead
 from fastgen.ops.cpu_kernels import ENV_VAR, ISAS, kernel_op, supported_isas
 from fastgen.ops.cpu_kernels.q8 import BLOCK, cpu_q8_matmul, dequantize_q8_0, quantize_q8_0
 from fastgen.planning.hardware import GPUInfo, Hardware
@@ -100,8 +100,9 @@ def _hidden_rows(pipe: fastgen.Pipeline, prompt: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("model_type,tp", [("qwen2", 1), ("llama", 1), ("llama", 2)],
                          ids=["tied", "untied", "untied-tp2"])
 def test_engine_head_equals_the_oracle_over_the_checkpoints_head(model_type, tp, tiny_checkpoints):
-    """The engine's head holds the checkpoint's head weight in Q8_0 (the tied embedding's own weight stays as
-    it was), its logits are the oracle's over that weight, and greedy decoding runs on them."""
+    """The engine's head holds the checkpoint's head weight in Q8_0 beside the plain weight (a tied head's is
+    the embedding's), its logits are the oracle's over that weight up to Q8_MAX_ROWS rows and the plain
+    weight's above, and greedy decoding runs on them."""
     path = tiny_checkpoints[model_type]
     pipe = fastgen.pipeline(path, **SMALL, dtype="float32", lm_head_quantization="q8_0", tensor_parallel=tp)
     if tp == 1:
@@ -113,11 +114,15 @@ def test_engine_head_equals_the_oracle_over_the_checkpoints_head(model_type, tp,
                                                                      "lm_head.weight"]
         values, scales = quantize_q8_0(weight)
         assert torch.equal(head.qweight, values) and torch.equal(head.scales, scales)
-        assert (head.weight is not None) == tied
+        assert torch.equal(head.weight, weight)
         if tied:
-            assert torch.equal(pipe.engine.runner.model.model.embed_tokens.weight, weight)
+            assert head.weight is pipe.engine.runner.model.model.embed_tokens.weight
         hidden = _hidden_rows(pipe, [5, 9, 13, 2, 7])
         torch.testing.assert_close(head.logits(hidden).double(), _oracle(hidden, values, scales), rtol=1e-5,
+                                   atol=1e-5)
+        # More rows than Q8_MAX_ROWS: the plain weight's GEMM.
+        many = hidden.repeat(Q8_MAX_ROWS + 1, 1)
+        torch.testing.assert_close(head.logits(many).double(), many.double() @ weight.double().t(), rtol=1e-5,
                                    atol=1e-5)
     assert pipe.engine.plan.lm_head_quantization == "q8_0"
     out = pipe([[5, 9, 13, 2, 7], [3, 4]], max_new_tokens=6, do_sample=False, ignore_eos=True)
@@ -131,14 +136,17 @@ def _epyc() -> Hardware:
 
 
 def test_plan_takes_q8_0_where_it_can_run(tiny_checkpoints, monkeypatch):
-    """Off unless asked; asked, it counts the head's Q8_0 bytes against the weights, and refuses with the reason
-    on a GPU, with the kernels off, and for a hidden size that is not a multiple of 32."""
+    """The default follows the decoder's quantization; asked for, it is taken, and it is refused with the reason on a GPU, with the kernels off, and for a hidden size that is
+    not a multiple of 32 (where the default stays "none")."""
     monkeypatch.delenv(ENV_VAR, raising=False)
     facts = model_facts(tiny_checkpoints["llama"])
-    default = make_plan(facts, _epyc())
+    default = make_plan(facts, _epyc(), kv_cache_memory=GIB)
     assert default.lm_head_quantization == "none" and "q8_0" in default.reasons["lm_head_quantization"]
+    for quantization in ("int8", "int4"):
+        plan = make_plan(facts, _epyc(), quantization=quantization, quantization_group_size=32)
+        assert plan.lm_head_quantization == "q8_0" and "1.06 bytes" in plan.reasons["lm_head_quantization"]
     asked = make_plan(facts, _epyc(), lm_head_quantization="q8_0", kv_cache_memory=GIB)
-    assert asked.lm_head_quantization == "q8_0"
+    assert asked.lm_head_quantization == "q8_0" and asked.reasons["lm_head_quantization"] == "set by the user"
     h100 = Hardware("cuda", 32, frozenset({"avx512f"}), "AVX512", 500 * GIB,
                     (GPUInfo("NVIDIA H100 80GB HBM3", (9, 0), 80 * GIB, 79 * GIB, 132),))
     with pytest.raises(ValueError, match="lm_head_quantization='q8_0' cannot apply: .*C\\+\\+ CPU kernel"):
@@ -151,6 +159,7 @@ def test_plan_takes_q8_0_where_it_can_run(tiny_checkpoints, monkeypatch):
     object.__setattr__(odd, "hidden_size", 72)
     with pytest.raises(ValueError, match="hidden size is 72"):
         make_plan(odd, _epyc(), lm_head_quantization="q8_0")
+    assert make_plan(odd, _epyc(), quantization="int8").lm_head_quantization == "none"
     with pytest.raises(ValueError, match="lm_head_quantization"):
         make_plan(facts, _epyc(), lm_head_quantization="q4")
 

@@ -126,8 +126,9 @@ def test_engine_equals_hf_on_the_dequantized_weights(mode, tp, tiny_checkpoints,
     reference = _dequantized_checkpoint(path, str(tmp_path / "deq"), mode, tp)
     expected = [tokens for tokens, _ in hf_greedy(reference, PROMPTS, 10)]
     # A 16-token budget chunks the longer prompts; 24 blocks of 4 force preemptions.
-    with fastgen.pipeline(path, quantization=mode, quantization_group_size=GROUP, tensor_parallel=tp,
-                          token_budget=16, num_kv_blocks=24, block_size=4, max_seqs=4, progress=False) as pipe:
+    # The head in the plan dtype: HF runs these weights with a plain head (the Q8_0 head: test_q8_head.py).
+    with fastgen.pipeline(path, quantization=mode, quantization_group_size=GROUP, lm_head_quantization="none",
+                          tensor_parallel=tp, token_budget=16, num_kv_blocks=24, block_size=4, max_seqs=4, progress=False) as pipe:
         assert pipe.engine.plan.quantization == mode and pipe.engine.runner.spec.plan is pipe.engine.plan
         got = [r.token_ids for r in pipe(PROMPTS, max_new_tokens=10, **GREEDY)]
     assert got == expected
@@ -139,8 +140,8 @@ def test_compiled_quantized_step_equals_hf(tiny_checkpoints, tmp_path):
     path = tiny_checkpoints["llama"]
     for mode in ("int8", "int4"):
         reference = _dequantized_checkpoint(path, str(tmp_path / mode), mode, 1)
-        with fastgen.pipeline(path, quantization=mode, quantization_group_size=GROUP, compile="default",
-                              buckets=(16,), token_budget=16, progress=False) as pipe:
+        with fastgen.pipeline(path, quantization=mode, quantization_group_size=GROUP, lm_head_quantization="none",
+                              compile="default", buckets=(16,), token_budget=16, progress=False) as pipe:
             graphs = counters["stats"]["unique_graphs"]
             got = [r.token_ids for r in pipe(PROMPTS, max_new_tokens=8, **GREEDY)]
             assert counters["stats"]["unique_graphs"] == graphs, "serving recompiled after warm-up"

@@ -113,14 +113,14 @@ def build_runner(config: EngineConfig, plan: Plan) -> BuiltRunner:
 
 def _build_draft_runner(plan: Plan, target: RunnerSpec, device: torch.device, progress: bool) -> ModelRunner | None:
     """The draft model of `plan.speculative_config` (None for n-gram lookup or no speculation): the
-    target's plan with the draft's own quantization, on this rank alone, with a KV cache of as many
-    tokens as the target's, exact shapes (its steps are a few tokens a row)."""
+    target's plan with the draft's own quantization (its LM head in the plan dtype), on this rank alone,
+    with a KV cache of as many tokens as the target's, exact shapes (its steps are a few tokens a row)."""
     speculative = plan.speculative_config
     if speculative is None or speculative.model is None:
         return None
     draft_dir = resolve_model_dir(speculative.model)
     draft_plan = replace(plan, quantization=speculative.quantization or "none", offload="none", cuda_graphs=False,
-                         tensor_parallel=1, replica_num=1, speculative_config=None)
+                         tensor_parallel=1, replica_num=1, speculative_config=None, lm_head_quantization="none")
     spec = RunnerSpec(draft_plan, model_dir=draft_dir, device_type=device.type, device_index=device.index or 0,
                       num_blocks=target.num_blocks, max_model_len=target.max_model_len, buckets=(),
                       num_threads=target.num_threads, progress=progress)

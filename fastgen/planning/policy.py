@@ -118,10 +118,9 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     reasons["offload"] = "set by the user" if "offload" in user else stream.offload_reason
     blocker = _prepack_blocker(hardware, dtype, quant, stream.offload)
     prepack = pick("weight_prepack", lambda: _choose_weight_prepack(blocker))
-    head_quant, reasons["lm_head_quantization"] = choose_lm_head_quantization(model, hardware, user, dtype)
-    if head_quant == "q8_0":
-        # Beside a tied head's embedding; in place of an untied head's weight, dropped once quantized.
-        weights += q8_head_bytes(model) - (0 if model.config.tie_word_embeddings else model.head_weight_bytes(dtype))
+    head_quant, reasons["lm_head_quantization"] = choose_lm_head_quantization(model, hardware, user, dtype, quant)
+    if head_quant == "q8_0":  # beside the plain weight, which calls of many rows multiply
+        weights += q8_head_bytes(model)
     if prepack:
         if blocker is not None:
             raise ValueError(f"weight_prepack=True cannot apply: {blocker}")
