@@ -270,6 +270,8 @@ def test_build_app_checks_its_options_before_ray_starts_anything():
         build_app({"max_length": 0})
     with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json"):
         build_app({"tool_call_parser": "xml"})
+    with pytest.raises(ValueError, match="stream_interval_ms must be >= 0"):
+        build_app({"stream_interval_ms": "-5"})
 
 
 def test_build_app_options_reach_serve():
@@ -278,10 +280,11 @@ def test_build_app_options_reach_serve():
                      "autoscaling_config": '{"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8}',
                      "max_ongoing_requests": "16", "drain_timeout": "5", "tensor_parallel": "2",
                      "ray_actor_options": {"num_cpus": 2}, "tool_call_parser": "hermes",
-                     "reasoning_parser": "deepseek_r1"})
+                     "reasoning_parser": "deepseek_r1", "stream_interval_ms": "50"})
     deployment = app._bound_deployment
     (options,) = deployment.init_args
     assert (options.tool_call_parser, options.reasoning_parser) == ("hermes", "deepseek_r1")
+    assert options.stream_interval_ms == 50.0
     assert options.engine == {"num_kv_blocks": 64, "enable_prefix_caching": False, "buckets": (1, 2, 4),
                               "cuda_graphs": False, "tensor_parallel": 2}
     config = deployment._deployment_config

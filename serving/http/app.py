@@ -101,7 +101,8 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
                on_terminate: Callable[[], None] | None = None, max_pending_requests: int | None = None,
                limits: ServingLimits | None = None, strict_params: bool = False,
                protect_metrics: bool = False, budget: PendingBudget | None = None,
-               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+               stream_interval_ms: float = 0.0) -> FastAPI:
     """The gateway app over `backend` (an `EngineLoop` or anything with its `submit_async`).
 
     `model_name` is the id OpenAI clients send as `model`. `limits` holds the keys and bounds the
@@ -120,7 +121,10 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
     refused with a 400 when `strict_params`. `tool_call_parser` (one of `TOOL_CALL_PARSERS`) parses
     tool calls out of chat replies for `tool_choice: auto`; `reasoning_parser` (one of
     `REASONING_PARSERS`) splits a reasoning model's thinking into `reasoning_content` and starts
-    structured constraints after it. The schema is served at `/openapi.json` (and `/docs`).
+    structured constraints after it. `stream_interval_ms` > 0 sends a stream's events after its first in
+    one write per that many milliseconds (`fastgen.serving.http.sse.coalesce`: fewer writes through a
+    proxy; 0, the default, writes each event as it comes). The schema is served at `/openapi.json` (and
+    `/docs`).
     """
     if not callable(getattr(backend, "submit_async", None)):
         raise TypeError(f"backend must have submit_async(prompt, params) like EngineLoop, got {type(backend).__name__}")
@@ -139,6 +143,9 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
         raise TypeError(f"metrics must be a ServingMetrics, got {type(metrics).__name__}")
     if on_terminate is not None and not callable(on_terminate):
         raise TypeError("on_terminate must be callable or None")
+    if (isinstance(stream_interval_ms, bool) or not isinstance(stream_interval_ms, (int, float))
+            or not 0 <= stream_interval_ms <= 10_000):
+        raise ValueError(f"stream_interval_ms must be a number of milliseconds in [0, 10000], got {stream_interval_ms!r}")
     metrics = metrics if metrics is not None else ServingMetrics()
     metrics.bind_model(model_name)
     public = public_routes(protect_metrics)
@@ -179,7 +186,7 @@ def create_app(backend: Any, deployment_name: str, tokenizer: Any, model_name: s
     models = RequestModels.build(model_name, limits, gateway.max_prompt_chars, strict_params)
     adapters = served_adapters(backend)
     add_openai_routes(router, gateway, model_name, max_model_len, models, tool_call_parser, reasoning_parser,
-                      adapters)
+                      adapters, stream_interval_ms / 1000)
     add_lora_routes(router, adapters, offload, model_name)
     add_utility_routes(router, gateway, model_name, max_model_len, models, adapters)
     add_mii_routes(router, gateway, deployment_name, models, on_terminate)

@@ -36,6 +36,7 @@ from fastgen.serving.http.logprobs import chat_logprobs, completion_logprobs, ec
 from fastgen.serving.http.lora_routes import adapter_cards
 from fastgen.serving.http.openai_params import Parsed, ignored_notice, model_not_found, parse_chat, parse_completion
 from fastgen.serving.http.request_models import RequestModels
+from fastgen.serving.http.sse import coalesce
 
 if TYPE_CHECKING:
     from fastgen.serving.http.gateway import Gateway, Generation
@@ -101,7 +102,8 @@ def _shared_prompt_logprobs(results: list[Response]) -> dict[int, list]:
     return {r.prompt_index: r.prompt_logprobs for r in results if r.prompt_logprobs is not None}
 
 
-def _sse_response(generation: Generation, events: AsyncIterator[dict], headers: dict[str, str]) -> StreamingResponse:
+def _sse_response(generation: Generation, events: AsyncIterator[dict], headers: dict[str, str],
+                  stream_interval: float) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
@@ -114,7 +116,8 @@ def _sse_response(generation: Generation, events: AsyncIterator[dict], headers: 
         # Also runs when the client went away mid-stream: aborts what is unfinished.
         generation.close()
 
-    return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(release),
+    return StreamingResponse(coalesce(body(), stream_interval), media_type="text/event-stream",
+                             background=BackgroundTask(release),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
@@ -142,11 +145,13 @@ def _tools_refusal(exc: ApiError, req: Parsed) -> ApiError:
 
 def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_model_len: int | None,
                       models: RequestModels, tool_call_parser: str | None = None,
-                      reasoning_parser: str | None = None, adapters: ServedAdapters | None = None) -> None:
+                      reasoning_parser: str | None = None, adapters: ServedAdapters | None = None,
+                      stream_interval: float = 0.0) -> None:
     """Add `/v1/models`, `/v1/completions` and `/v1/chat/completions` to `router`, their bodies
     validated as `models` (which refuse unknown fields when the app is strict); chat replies are
     parsed with the server's `tool_call_parser` and `reasoning_parser` formats (None: not parsed).
-    A request's `model` is `model_name` or one of the LoRA `adapters`, which `/v1/models` lists too."""
+    A request's `model` is `model_name` or one of the LoRA `adapters`, which `/v1/models` lists too.
+    Streamed events after a stream's first are sent in one write per `stream_interval` seconds (`coalesce`)."""
     adapters = adapters if adapters is not None else served_adapters(None)
     tokenizer, offload = gateway.tokenizer, gateway.offload
     card: dict[str, Any] = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "fastgen"}
@@ -182,7 +187,8 @@ def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_
             generation.close()
             raise
         if req.stream:
-            return _sse_response(generation, _completion_events(generation, req, head, echoes, gateway), headers)
+            return _sse_response(generation, _completion_events(generation, req, head, echoes, gateway), headers,
+                                 stream_interval)
         usage, choices = _Usage(req.echo_only), []
         results = await gateway.collect(request, generation)
         shared = _shared_prompt_logprobs(results)
@@ -213,7 +219,8 @@ def add_openai_routes(router: APIRouter, gateway: Gateway, model_name: str, max_
             return ChoiceOutput(req.tools, req.reasoning is not None, thinking)
 
         if req.stream:
-            return _sse_response(generation, _chat_events(generation, req, head, gateway, output), headers)
+            return _sse_response(generation, _chat_events(generation, req, head, gateway, output), headers,
+                                 stream_interval)
         chat = req.prompts[0]
         echo = chat.echo_text() if req.echo else ""
         usage, choices = _Usage(), []
