@@ -149,7 +149,7 @@ def torch_paged_attention(
     if kernels:
         query = query.contiguous()
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    plans = _tensor_step_plans(slot_mapping) if step_plans is None else step_plans
+    plans = _tensor_step_plans(slot_mapping, query_start_loc, seq_lens) if step_plans is None else step_plans
     if "offsets" not in plans:
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         # One query token (a decode, or a one-token prompt chunk): attended block by block, all rows at once.
@@ -199,15 +199,16 @@ def torch_paged_attention(
     return out
 
 
-def _tensor_step_plans(slot_mapping: torch.Tensor) -> dict:
+def _tensor_step_plans(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> dict:
     """The step plans of the step `slot_mapping` belongs to, for a call without `AttentionMetadata` (a
     compiled layer's call of the op): kept on that tensor, which each layer of the step is handed and which
     no two steps share (every step's inputs are new tensors, or new views of the static buffers), so the
-    step's first layer works them out for all (SmolLM2's 30 layers: ~1 ms of a 19 ms int4 decode step)."""
-    plans = slot_mapping.__dict__.get("_fastgen_step_plans")
-    if plans is None:
-        plans = slot_mapping.__dict__["_fastgen_step_plans"] = {}
-    return plans
+    step's first layer works them out for all (SmolLM2's 30 layers: ~1 ms of a 19 ms int4 decode step).
+    They stand only while the call's other metadata tensors are the same objects as the first layer's."""
+    kept = slot_mapping.__dict__.get("_fastgen_step_plans")
+    if kept is None or kept[0] is not query_start_loc or kept[1] is not seq_lens:
+        kept = slot_mapping.__dict__["_fastgen_step_plans"] = (query_start_loc, seq_lens, {})
+    return kept[2]
 
 
 def cpu_paged_attention(*args: Any, **kwargs: Any) -> torch.Tensor:

@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 
 import fastgen
 from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, pick_bucket
+from fastgen.models.layers import decoder_layers
 
 SMALL = dict(num_kv_blocks=48, block_size=4, token_budget=32, max_seqs=8, progress=False)
 
@@ -183,6 +184,33 @@ def test_cuda_graphs_replay_adapted_steps(tiny_checkpoints, tmp_path):
     assert sorted(pipe.engine.runner._graphs) == sorted(pipe.engine.runner.buckets)
     assert graphed == eager
     assert eager[0] != eager[1] != eager[2], "the adapters change nothing"
+
+
+def test_compiled_layers_share_the_steps_attention_plan(tiny_checkpoints, monkeypatch):
+    """A compiled layer calls the attention op without the step's metadata object; the step's first layer
+    still works the plan out for all of them (once a step, not once a layer), and a call whose other
+    metadata tensors differ never reads a plan made for another."""
+    import importlib
+
+    module = importlib.import_module("fastgen.ops.paged_attention")
+    calls = []
+    real = module.kv_slots
+    monkeypatch.setattr(module, "kv_slots", lambda *args: calls.append(1) or real(*args))
+    pipe = fastgen.pipeline(tiny_checkpoints["llama"], **SMALL, compile="default", attention_backend="cpu")
+    engine = pipe.engine
+    assert len(decoder_layers(engine.runner.model)) > 1
+    engine.add_request([5, 9, 13, 2], fastgen.SamplingParams(do_sample=False, max_new_tokens=6))
+    steps = 0
+    calls.clear()
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert len(calls) == steps
+    slot_mapping, starts, lens = torch.tensor([3]), torch.tensor([0, 1]), torch.tensor([4])
+    plans = module._tensor_step_plans(slot_mapping, starts, lens)
+    assert module._tensor_step_plans(slot_mapping, starts, lens) is plans
+    assert module._tensor_step_plans(slot_mapping, starts.clone(), lens) is not plans
+    pipe.destroy()
 
 
 def test_eager_cpu_runner_warms_up_one_full_step(tiny_checkpoints):

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastgen.ops.cpu_kernels.isa import ENV_VAR, isas_from_flags, pick_isa, requested_isa
+
 # /proc/cpuinfo flags that decide which dtypes have fast matmuls on a CPU.
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 
@@ -102,6 +104,17 @@ def detect_hardware(device: str | torch.device | None = None, measure: bool = Fa
         nodes=_torchrun_nodes(),
         cpp_compiler=shutil.which(os.environ.get("CXX") or "c++") or "",
     )
+
+
+def cpu_kernel_blocker(hw: Hardware) -> str | None:
+    """Why fastgen's C++ CPU kernels cannot run on `hw` (None: they can, in the variant `pick_isa` gives
+    under `FASTGEN_CPU_KERNELS`): what every plan field that picks one of them quotes."""
+    requested = requested_isa()
+    if pick_isa(isas_from_flags(hw.cpu_flags), requested) is None:
+        return f"{ENV_VAR}=off" if requested == "off" else "this CPU has no AVX2"
+    if not hw.cpp_compiler:
+        return "no C++ compiler ($CXX, else c++) to build fastgen's CPU kernels at first use"
+    return None
 
 
 def _torchrun_nodes() -> int:

@@ -8,9 +8,8 @@ from typing import Any
 import torch
 
 from fastgen.models.q8_head import Q8_MAX_ROWS
-from fastgen.ops.cpu_kernels import ENV_VAR, isas_from_flags, pick_isa, requested_isa
 from fastgen.ops.cpu_kernels.q8 import BLOCK
-from fastgen.planning.hardware import Hardware
+from fastgen.planning.hardware import Hardware, cpu_kernel_blocker
 from fastgen.planning.model_facts import ModelFacts
 
 
@@ -25,11 +24,7 @@ def _blocker(model: ModelFacts, hw: Hardware) -> str | None:
         return f"its kernel is fastgen's C++ CPU kernel, and this plan is for {hw.device_type}"
     if model.hidden_size % BLOCK:
         return f"Q8_0 blocks are {BLOCK} inputs wide and the hidden size is {model.hidden_size}"
-    if pick_isa(isas_from_flags(hw.cpu_flags), requested_isa()) is None:
-        return f"fastgen's C++ CPU kernels are off ({ENV_VAR}) or this CPU has no AVX2"
-    if not hw.cpp_compiler:
-        return "no C++ compiler ($CXX, else c++) to build fastgen's CPU kernels at first use"
-    return None
+    return cpu_kernel_blocker(hw)
 
 
 def choose_lm_head_quantization(model: ModelFacts, hw: Hardware, user: dict[str, Any], dtype: torch.dtype,

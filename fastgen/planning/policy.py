@@ -21,7 +21,7 @@ from fastgen.models.quant import DEFAULT_GROUP_SIZE
 from fastgen.ops.cpu_kernels import ENV_VAR, ISA_NOTES, MAX_QUERY_LEN, build_dir, isas_from_flags, pick_isa, requested_isa
 from fastgen.ops.packed_linear import PREPACK_DTYPES, prepack_available
 from fastgen.ops.prefault import prefault_supported
-from fastgen.planning.hardware import Hardware, detect_hardware
+from fastgen.planning.hardware import Hardware, cpu_kernel_blocker, detect_hardware
 from fastgen.planning.head_plan import choose_lm_head_quantization, q8_head_bytes
 from fastgen.planning.lora_plan import choose_lora
 from fastgen.planning.memory import (CPU_KV_RAM_FRACTION, GPU_MEMORY_FRACTION, activation_reserve,
@@ -350,13 +350,11 @@ def _choose_attention(hw: Hardware) -> tuple[str, str]:
 
 def _choose_cpu_attention(hw: Hardware) -> tuple[str, str]:
     """The C++ decode kernel's best variant under `FASTGEN_CPU_KERNELS`, else the torch path, with the reason."""
+    blocker = cpu_kernel_blocker(hw)
+    if blocker is not None:
+        return "torch", f"{blocker}: no C++ CPU kernel; Triton runs on a CPU only through its interpreter"
     requested = requested_isa()
     isa = pick_isa(isas_from_flags(hw.cpu_flags), requested)
-    if isa is None:
-        why = f"{ENV_VAR}=off" if requested == "off" else "this CPU has no AVX2"
-        return "torch", f"{why}: no C++ CPU kernel; Triton runs on a CPU only through its interpreter"
-    if not hw.cpp_compiler:
-        return "torch", "no C++ compiler ($CXX, else c++) to build fastgen's CPU kernels at first use"
     capped = f", capped by {ENV_VAR}={requested}" if requested != "auto" else ""
     return "cpu", (f"C++ paged decode attention, {isa} variant{capped}: {ISA_NOTES[isa]}; decode rows, "
                    f"verification rows and prompt chunks of up to {MAX_QUERY_LEN} tokens in one call, KV blocks "
