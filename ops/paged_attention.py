@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from fastgen.ops.cpu_kernels.decode import MAX_QUERY_LEN, cpu_decode_rows, kernel_query_len
+from fastgen.ops.cpu_kernels.decode import MAX_QUERY_LEN, plan_kernel_step
 from fastgen.ops.decode_attention import attend_decode_rows
 from fastgen.ops.kv_cache import gather_blocks, kv_slots, write_kv_cache
 from fastgen.ops.triton_attention import triton_paged_attention
@@ -141,15 +141,26 @@ def torch_paged_attention(
     (`AttentionMetadata.step_plans`): what the first layer of a step works out from the metadata,
     kept for the other layers; None works it out for this call only. `kernels`: the rows of sequences
     with at most `MAX_QUERY_LEN` query tokens, and of longer chunks over short contexts (`kernel_query_len`),
-    go to the C++ CPU kernel where it serves the call (`cpu_paged_attention`).
+    go to the C++ CPU kernel where it serves the call (`cpu_paged_attention`), which writes the K/V too.
     """
-    # The CPU flash kernel reads each head's vector as if its elements were adjacent, whatever the
-    # strides say (torch 2.13: a query with a last-dim stride of 2 gave wrong outputs, no error). The C++
-    # kernel wants whole rows adjacent.
+    plans = (_tensor_step_plans(slot_mapping, block_tables, query_start_loc, seq_lens) if step_plans is None
+             else step_plans)
+    out, max_query_len = None, 0
     if kernels:
-        query = query.contiguous()
+        if "kernel" not in plans:
+            plans["kernel"] = plan_kernel_step(block_tables, seq_lens, query_start_loc)
+        step = plans["kernel"]
+        if step is not None:
+            # The K/V write, the attention and the zeroed rows in one call: a decode step's layer ends here.
+            out = step.op(query, key, value, k_cache, v_cache, slot_mapping, *step.metadata, scale, sliding_window,
+                          softcap, sinks, attention_chunk, step.max_query_len)
+            if out is not None:
+                if step.every_row:
+                    return out
+                max_query_len = step.max_query_len
+    # The CPU flash kernel reads each head's vector as if its elements were adjacent, whatever the
+    # strides say (torch 2.13: a query with a last-dim stride of 2 gave wrong outputs, no error).
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    plans = _tensor_step_plans(slot_mapping, query_start_loc, seq_lens) if step_plans is None else step_plans
     if "offsets" not in plans:
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         # One query token (a decode, or a one-token prompt chunk): attended block by block, all rows at once.
@@ -159,22 +170,14 @@ def torch_paged_attention(
         chunks = [(s, starts[s], starts[s + 1], n) for s, n in enumerate(lens)
                   if n > 0 and starts[s + 1] - starts[s] > 1]
         plans["offsets"] = starts, single, chunks
-        # The longest query the C++ kernel takes this step (`cpu_paged_attention`), and whether any has one.
-        plans["kernel_query_len"] = kernel_query_len([(q_end - q_start, n) for _, q_start, q_end, n in chunks])
-        plans["short"] = bool(single) or any(q_end - q_start <= plans["kernel_query_len"]
-                                             for _, q_start, q_end, _ in chunks)
         plans["slots"] = kv_slots(slot_mapping, k_cache.shape[1])
     starts, single, chunks = plans["offsets"]
-    # Every token's K/V is written before any sequence attends: a sequence admitted with a prefix-cache
-    # hit may read blocks that another sequence of the same step is filling right now.
-    write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plans["slots"])
-    out = torch.zeros_like(query)
     block_size = k_cache.shape[1]
-    short = kernels and plans["short"]
-    max_query_len = plans["kernel_query_len"] if short else 0
-    if not (short and cpu_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      sliding_window, softcap, sinks, attention_chunk, out, max_query_len)):
-        max_query_len = 0
+    if out is None:  # else the kernel wrote every token's K/V and attended the queries up to max_query_len
+        # Every token's K/V is written before any sequence attends: a sequence admitted with a prefix-cache
+        # hit may read blocks that another sequence of the same step is filling right now.
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plans["slots"])
+        out = torch.zeros_like(query)
         if single:
             attend_decode_rows(query, k_cache, v_cache, block_tables, seq_lens, single, [starts[s] for s in single],
                                scale, sliding_window, softcap, out, plans, sinks, attention_chunk)
@@ -199,16 +202,17 @@ def torch_paged_attention(
     return out
 
 
-def _tensor_step_plans(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> dict:
+def _tensor_step_plans(slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                       seq_lens: torch.Tensor) -> dict:
     """The step plans of the step `slot_mapping` belongs to, for a call without `AttentionMetadata` (a
     compiled layer's call of the op): kept on that tensor, which each layer of the step is handed and which
     no two steps share (every step's inputs are new tensors, or new views of the static buffers), so the
     step's first layer works them out for all (SmolLM2's 30 layers: ~1 ms of a 19 ms int4 decode step).
     They stand only while the call's other metadata tensors are the same objects as the first layer's."""
     kept = slot_mapping.__dict__.get("_fastgen_step_plans")
-    if kept is None or kept[0] is not query_start_loc or kept[1] is not seq_lens:
-        kept = slot_mapping.__dict__["_fastgen_step_plans"] = (query_start_loc, seq_lens, {})
-    return kept[2]
+    if kept is None or kept[0] is not query_start_loc or kept[1] is not seq_lens or kept[2] is not block_tables:
+        kept = slot_mapping.__dict__["_fastgen_step_plans"] = (query_start_loc, seq_lens, block_tables, {})
+    return kept[3]
 
 
 def cpu_paged_attention(*args: Any, **kwargs: Any) -> torch.Tensor:

@@ -8,8 +8,8 @@ Defaults are SmolLM2-135M's attention (9 query heads, 3 KV heads of 64, the plan
 batch is `batch` sequences with `context` cached tokens and one new token each, their blocks shuffled over a
 cache with room for all of them. Timed per call of one layer, best and median of `--repeats` after warm-up:
 - torch: `fastgen::paged_attention_torch` (KV write + the block-by-block flash-kernel decode path);
-- cpu: `fastgen::paged_attention_cpu` (KV write + the C++ kernel over every decode row);
-- kernel: the C++ kernel call alone (what the cpu op adds to the KV write).
+- cpu: `fastgen::paged_attention_cpu` (the C++ kernel's KV write and attention of every decode row);
+- kernel: the C++ kernel's op alone (what the cpu op runs, without the Python around it).
 Both ops get the step's plans computed once beforehand, as the engine's first layer computes them for the
 rest. The two outputs are compared before timing. A measurement, not a test: the machine's other load shows.
 """
@@ -26,7 +26,7 @@ from bench_common import write_json
 
 import fastgen.ops  # noqa: F401  (registers the fastgen:: ops)
 from fastgen.ops import allocate_kv_cache
-from fastgen.ops.cpu_kernels import cpu_decode_rows, cpu_kernel_isa, kernel_op
+from fastgen.ops.cpu_kernels import cpu_kernel_isa, kernel_op, plan_kernel_step
 from fastgen.ops.paged_attention import cpu_paged_attention, torch_paged_attention
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -97,12 +97,11 @@ def main(argv: list[str] | None = None) -> int:
                 got = cpu_paged_attention(*step, step_plans=cpu_plans)
                 tol = 2e-2 if dtype != torch.float32 else 1e-4
                 torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
-                out = torch.zeros_like(step[0])
+                kernel = plan_kernel_step(*step[6:9])
                 timed = {
                     "torch": time_ms(lambda: torch_paged_attention(*step, step_plans=torch_plans), args.repeats),
                     "cpu": time_ms(lambda: cpu_paged_attention(*step, step_plans=cpu_plans), args.repeats),
-                    "kernel": time_ms(lambda: cpu_decode_rows(step[0], step[3], step[4], step[6], step[7], step[8],
-                                                              step[9], 0, 0.0, None, 0, out), args.repeats),
+                    "kernel": time_ms(lambda: kernel.op(*step, 0, 0.0, None, 0, kernel.max_query_len), args.repeats),
                 }
                 rows.append(dict(dtype=name, batch=batch, context=context, isa=isa,
                                  **{f"{k}_best_ms": v[0] for k, v in timed.items()},

@@ -194,8 +194,8 @@ def test_compiled_layers_share_the_steps_attention_plan(tiny_checkpoints, monkey
 
     module = importlib.import_module("fastgen.ops.paged_attention")
     calls = []
-    real = module.kv_slots
-    monkeypatch.setattr(module, "kv_slots", lambda *args: calls.append(1) or real(*args))
+    real = module.plan_kernel_step
+    monkeypatch.setattr(module, "plan_kernel_step", lambda *args: calls.append(1) or real(*args))
     pipe = fastgen.pipeline(tiny_checkpoints["llama"], **SMALL, compile="default", attention_backend="cpu")
     engine = pipe.engine
     assert len(decoder_layers(engine.runner.model)) > 1
@@ -206,10 +206,11 @@ def test_compiled_layers_share_the_steps_attention_plan(tiny_checkpoints, monkey
         engine.step()
         steps += 1
     assert len(calls) == steps
-    slot_mapping, starts, lens = torch.tensor([3]), torch.tensor([0, 1]), torch.tensor([4])
-    plans = module._tensor_step_plans(slot_mapping, starts, lens)
-    assert module._tensor_step_plans(slot_mapping, starts, lens) is plans
-    assert module._tensor_step_plans(slot_mapping, starts.clone(), lens) is not plans
+    slot_mapping, tables, starts, lens = torch.tensor([3]), torch.tensor([[0]]), torch.tensor([0, 1]), torch.tensor([4])
+    plans = module._tensor_step_plans(slot_mapping, tables, starts, lens)
+    assert module._tensor_step_plans(slot_mapping, tables, starts, lens) is plans
+    assert module._tensor_step_plans(slot_mapping, tables, starts.clone(), lens) is not plans
+    assert module._tensor_step_plans(slot_mapping, tables.clone(), starts, lens) is not plans
     pipe.destroy()
 
 

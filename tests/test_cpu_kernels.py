@@ -31,6 +31,7 @@ from kit import build_checkpoint
 from test_paged_attention import _Harness, _run_batch, _Seq  # the harness every paged-attention op is checked by
 
 CPU_OP = torch.ops.fastgen.paged_attention_cpu
+TORCH_OP = torch.ops.fastgen.paged_attention_torch
 # The module, not the op `fastgen.ops` exports under the same name.
 paged_attention_module = importlib.import_module("fastgen.ops.paged_attention")
 decode_module = importlib.import_module("fastgen.ops.cpu_kernels.decode")
@@ -130,27 +131,103 @@ def test_long_rows_split_over_threads(kernel_only, dtype, flags):
 @pytest.mark.parametrize("flags", [dict(), dict(window=6, sinks=True), dict(chunk=8, softcap=3.0)], ids=str)
 def test_multi_row_queries_through_the_kernel(kernel_isa, dtype, flags):
     """The kernel's own op with `max_query_len` above 1 attends prompt chunks too (each row at its causal
-    offset); rows of longer chunks are left untouched (zero here)."""
+    offset), after writing every token's K/V (those of the longer chunks too); rows of longer chunks and of
+    padding are zeros."""
     h = _Harness(block_size=4, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seed=8, num_blocks=96,
                  **flags)
     seqs = [_Seq() for _ in range(5)]
     h.step([(s, n) for s, n in zip(seqs, [3, 9, 1, 17, 6])], op=CPU_OP)
     chunks = [(seqs[0], 5), (seqs[1], 1), (seqs[2], 12), (seqs[3], 2), (seqs[4], 7)]
     args = h.step_args(chunks, pad_tokens=1, pad_rows=1)
-    expected = paged_attention_oracle(*args)[0]
-    query, key, value, k_cache, v_cache, slot_mapping, tables, seq_lens, starts, scale = args[:10]
-    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-    out = torch.zeros_like(query)
-    sinks = None if h.sinks is None else h.sinks.float()
-    kernel_op("paged_decode", kernel_isa)(out, query, k_cache, v_cache, tables, seq_lens, starts, scale, h.window, h.softcap,
-                                  sinks, h.chunk, 8)
-    served = torch.zeros(query.shape[0], dtype=torch.bool)
-    bounds = starts.tolist()
+    expected, expected_k, expected_v = paged_attention_oracle(*args)
+    out = kernel_op("paged_decode", kernel_isa)(*args, 8)
+    torch.testing.assert_close(h.k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(h.v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+    served = torch.zeros(out.shape[0], dtype=torch.bool)
+    bounds = args[8].tolist()
     for s, (_, n) in enumerate(chunks):
         served[bounds[s]:bounds[s + 1]] = n <= 8
     tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
     torch.testing.assert_close(out[served].double(), expected[served], **tol)
     assert torch.count_nonzero(out[~served]) == 0
+
+
+def _bits(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's elements as integers of their width: equal iff equal bit for bit (NaNs included)."""
+    return cache.view({4: torch.int32, 2: torch.int16}[cache.element_size()])
+
+
+def _fused_write_step(h: _Harness, key_dtype: torch.dtype, strided: bool) -> tuple:
+    """A step's op arguments (after a first step writing context) of decode rows, a chunk, padded tokens and
+    rows, whose keys and values are `key_dtype` and, `strided`, views of one fused projection as in a model."""
+    seqs = [_Seq() for _ in range(4)]
+    h.step([(s, n) for s, n in zip(seqs, [5, 1, 12, 3])], op=CPU_OP)
+    args = list(h.step_args([(seqs[0], 1), (seqs[1], 6), (seqs[2], 1), (seqs[3], 1)], pad_tokens=3, pad_rows=2))
+    key, value = args[1].to(key_dtype), args[2].to(key_dtype)
+    if strided:
+        fused = torch.cat((key, value, key), dim=1)  # keys at a token stride of 3 x kv_heads x head_dim
+        key, value = fused[:, : key.shape[1]], fused[:, key.shape[1]: 2 * key.shape[1]]
+    args[1], args[2] = key, value
+    return tuple(args)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_fused_kv_write_lands_where_write_kv_cache_puts_it(kernel_isa, dtype, layout):
+    """The kernel's KV write against `write_kv_cache` on copies of the same caches, bit for bit: padded tokens
+    (slot -1) write nothing and slots neither writes keep their NaN; also for keys and values strided as views
+    of a fused projection, and of another dtype than the cache's."""
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    for key_dtype, strided in ((dtype, False), (dtype, True), (other, False)):
+        h = _Harness(block_size=4, num_q_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype, seed=11, layout=layout)
+        args = _fused_write_step(h, key_dtype, strided)
+        key, value, k_cache, v_cache, slot_mapping = args[1:6]
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        write_kv_cache(key, value, want_k, want_v, slot_mapping)
+        assert kernel_op("paged_decode", kernel_isa)(*args, 1) is not None
+        assert torch.equal(_bits(k_cache), _bits(want_k)) and torch.equal(_bits(v_cache), _bits(want_v))
+
+
+def test_unserved_layer_is_left_untouched(kernel_isa):
+    """Where the kernel does not take the layer (a head dim not a multiple of 16) its op returns None and
+    writes nothing: the torch path does both."""
+    h = _Harness(block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=24, seed=12)
+    args = _fused_write_step(h, torch.float32, False)
+    before = [_bits(cache).clone() for cache in args[3:5]]
+    assert kernel_op("paged_decode", kernel_isa)(*args, 1) is None
+    assert all(torch.equal(b, _bits(cache)) for b, cache in zip(before, args[3:5]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("flags", [dict(), dict(window=6, softcap=3.0, sinks=True)], ids=str)
+def test_decode_step_through_the_op_equals_the_torch_path(kernel_isa, dtype, flags, monkeypatch):
+    """Two layers of one decode step (padded tokens and rows) through `paged_attention_cpu` give the torch
+    path's caches bit for bit and its outputs within rounding, zeros in padded rows; the kernel's plan is
+    worked out by the first layer and reused by the second (as compiled layers share it)."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    planned, torch_rows = [], []
+    real_plan, real_rows = paged_attention_module.plan_kernel_step, paged_attention_module.attend_decode_rows
+    monkeypatch.setattr(paged_attention_module, "plan_kernel_step", lambda *a: planned.append(1) or real_plan(*a))
+    monkeypatch.setattr(paged_attention_module, "attend_decode_rows",
+                        lambda *a: torch_rows.append(1) or real_rows(*a))
+    h = _Harness(block_size=16, num_q_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=13, num_blocks=96,
+                 **flags)
+    seqs = [_Seq() for _ in range(3)]
+    h.step([(s, n) for s, n in zip(seqs, [300, 17, 40])], op=CPU_OP)
+    args = h.step_args([(s, 1) for s in seqs], pad_tokens=2, pad_rows=1)
+    planned.clear()
+    layers = [(args[3], args[4]), (args[3].clone(), args[4].clone())]
+    torch_layers = [(k.clone(), v.clone()) for k, v in layers]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    for caches, torch_caches in zip(layers, torch_layers):
+        out = CPU_OP(*args[:3], *caches, *args[5:])
+        # A slot_mapping of its own: the torch op keeps its plans apart from the kernel's.
+        expected = TORCH_OP(*args[:3], *torch_caches, args[5].clone(), *args[6:])
+        for cache, torch_cache in zip(caches, torch_caches):
+            assert torch.equal(_bits(cache), _bits(torch_cache))
+        torch.testing.assert_close(out, expected, **tol)
+        assert torch.count_nonzero(out[len(seqs):]) == 0
+    assert planned == [1] and len(torch_rows) == 2  # the torch op's two calls alone
 
 
 def test_kernel_query_len_takes_long_chunks_only_over_short_contexts(monkeypatch):

@@ -26,6 +26,7 @@ from fastgen.models.packed import prepack_linears
 from fastgen.models.parallel import SINGLE, TensorParallel
 from fastgen.models.q8_head import quantize_lm_head
 from fastgen.models.registry import get_model_class
+from fastgen.executor.compiled_layers import CompiledLayers
 from fastgen.executor.host_allocator import keep_host_temporaries
 from fastgen.executor.offload import STREAMER_ATTR, install_offload, new_streamer
 from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, StepTensors, pick_bucket
@@ -145,7 +146,8 @@ class ModelRunner:
             self.buffers = StaticBuffers(self.buckets[-1], min(self.buckets[-1], max_seqs), max_blocks_per_seq, device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warmup_seconds: dict[int, float] = {}
-        self._recompile_limit = 0
+        self.compiled: CompiledLayers | None = None
+        """The decoder layers' compiled graphs (None: compile is off)."""
         if compile != "off":
             self._compile_layers(compile)
         if compile != "off" or cuda_graphs:
@@ -154,58 +156,21 @@ class ModelRunner:
             self._warm_up_eager(min(plan.token_budget, EAGER_WARMUP_TOKENS))
 
     def _compile_layers(self, compile: str) -> None:
-        """Regional compilation: each decoder layer runs through one compiled graph.
-
-        With `inline_inbuilt_nn_modules` (torch's default) a layer's parameters are graph inputs, so
-        the layers of a model share one graph per shape: Dynamo traces one layer, not the whole
-        model, and Inductor compiles it once (its FX-graph cache then serves the next start). Without
-        buckets every dimension of the step is symbolic, size-oblivious (a 1 is not special) and not
-        duck-sized (two sizes that happen to match are not assumed equal), so one graph serves every
-        step size; with buckets (CUDA graphs) each bucket is one static specialisation. Embedding,
-        final norm and logits stay eager: a few ops per step.
-        """
-        # Imported here: torch._dynamo costs ~1.3 s of import time that a compile-off start-up never needs.
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
+        """Regional compilation: each decoder layer runs through a compiled graph that the layers share
+        (`CompiledLayers`). Without buckets one symbolic-shape graph serves every step size; with buckets
+        (CUDA graphs) each bucket is one static specialisation. Embedding, final norm and logits stay
+        eager: a few ops per step."""
         mode = "max-autotune-no-cudagraphs" if compile == "max-autotune" else None
-        layers = decoder_layers(self.model)
-        for layer in layers:
-            if self.offload is None:
-                layer.compile(fullgraph=True, dynamic=not self.buckets, mode=mode)
-            else:  # Module.compile would trace the offload hooks too: compile only the layer's own forward
-                layer.forward = torch.compile(layer.forward, fullgraph=True, dynamic=not self.buckets, mode=mode)
-        # Dynamo counts specialisations per code object (`Module._call_impl` and each layer class's
-        # `forward`, shared by every compiled module of this process: earlier pipelines of a notebook,
-        # other tests). Layers of one class can differ in what Dynamo guards on (a NoPE layer's missing
-        # rotary, a sliding window, dense/MoE), so each layer may be a specialisation of its own per
-        # shape; the limit is a ceiling, not a cost.
-        codes = {type(layer).forward.__code__ for layer in layers}
-        if self.offload is None:
-            codes.add(nn.Module._call_impl.__code__)
-        others = sum(len(_debug_get_cache_entry_list(code)) for code in codes)
-        kinds = len(layers) * 4
-        self._recompile_limit = others + kinds * max(1, len(self.buckets)) + 8
+        self.compiled = CompiledLayers(decoder_layers(self.model), dynamic=not self.buckets, mode=mode)
 
     def _forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         """The model step over the `StepTensors` as plain tensors (what torch.compile and CUDA graphs see)."""
         step = StepTensors(*tensors)
         return self.model(step.input_ids, step.positions, step.metadata(self.attention_backend), self.kv_caches)
 
-    def _compile_context(self):
-        """Dynamo settings for one step: the recompile limit raised (every bucket and layer kind is one
-        specialisation) and, for symbolic shapes, size-oblivious sizes (no 0/1 specialisation)."""
-        if self.compile_mode == "off":
-            return contextlib.nullcontext()
-        import torch._dynamo
-        import torch.fx.experimental._config as fx_config
-
-        limit = self._recompile_limit
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch._dynamo.config.patch(recompile_limit=limit,
-                                                       accumulated_recompile_limit=max(256, 4 * limit)))
-        dynamic = not self.buckets
-        stack.enter_context(fx_config.patch(backed_size_oblivious=dynamic, use_duck_shape=not dynamic))
-        return stack
+    def _compile_context(self) -> contextlib.AbstractContextManager:
+        """The symbolic-shape settings the layer graphs are traced and run under (none without compile)."""
+        return self.compiled.context() if self.compiled is not None else contextlib.nullcontext()
 
     @torch.inference_mode()
     def _warm_up(self, progress: bool) -> None:
@@ -233,6 +198,8 @@ class ModelRunner:
                 self._graphs[size] = (graph, out)
             self.warmup_seconds[size] = time.perf_counter() - start
             logger.info("fastgen: %d-token step ready in %.2f s (%s)", size, self.warmup_seconds[size], what)
+        if self.compiled is not None:
+            self.compiled.warmed_up()
 
     @torch.inference_mode()
     def _warm_up_eager(self, num_tokens: int) -> None:
@@ -261,7 +228,7 @@ class ModelRunner:
                 tensors = self.buffers.views(bucket)
             # A step larger than every bucket runs eagerly rather than compile a shape mid-serving.
             eager = bucket is None and self.buckets and self.compile_mode != "off"
-            with torch.compiler.set_stance("force_eager") if eager else self._compile_context():
+            with self.compiled.eager() if eager else self._compile_context():
                 hidden = self._forward(*tensors)
         logits_indices = torch.tensor(host.logits_indices, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[logits_indices])

@@ -1,14 +1,15 @@
 """fastgen's own C++ CPU kernels: compiled at first use by torch's extension toolchain, cached under
 `$FASTGEN_CACHE`, one build per ISA variant picked at run time (`isa`), and the torch path wherever they
 cannot run. Today: paged attention of short queries (decode rows, verification rows) over the blocked
-KV cache (`decode`, `paged_decode.cpp`), and the LoRA delta of mixed-adapter rows (`lora`, `lora_delta.cpp`)."""
+KV cache, with the step's KV write (`decode`, `paged_decode.cpp`), and the LoRA delta of mixed-adapter rows
+(`lora`, `lora_delta.cpp`)."""
 
 from fastgen.ops.cpu_kernels.build import active_op, build_dir, kernel_op
-from fastgen.ops.cpu_kernels.decode import MAX_QUERY_LEN, cpu_decode_rows, kernel_serves
+from fastgen.ops.cpu_kernels.decode import MAX_QUERY_LEN, KernelStep, plan_kernel_step
 from fastgen.ops.cpu_kernels.lora import cpu_lora_delta
 from fastgen.ops.cpu_kernels.isa import (ENV_VAR, ISA_NOTES, ISAS, cpu_kernel_isa, isas_from_flags, pick_isa,
                                          requested_isa, supported_isas)
 
-__all__ = ["ENV_VAR", "ISAS", "ISA_NOTES", "MAX_QUERY_LEN", "active_op", "build_dir", "cpu_decode_rows", "cpu_kernel_isa",
-           "cpu_lora_delta", "isas_from_flags", "kernel_op", "kernel_serves", "pick_isa",
-           "requested_isa", "supported_isas"]
+__all__ = ["ENV_VAR", "ISAS", "ISA_NOTES", "MAX_QUERY_LEN", "KernelStep", "active_op", "build_dir", "cpu_kernel_isa",
+           "cpu_lora_delta", "isas_from_flags", "kernel_op", "pick_isa", "plan_kernel_step", "requested_isa",
+           "supported_isas"]

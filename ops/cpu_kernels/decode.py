@@ -1,7 +1,10 @@
 """The short-query rows of a paged-attention step (decode rows, speculative verification rows, short prompt
-chunks) on the C++ CPU kernel, or nothing where it cannot serve them."""
+chunks) on the C++ CPU kernel, which writes the step's K/V into the cache too; or nothing where it cannot
+serve them."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -9,9 +12,6 @@ from fastgen.ops.cpu_kernels.build import active_op
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Cache dtypes the kernel reads (the query in the same dtype)."""
-
-MAX_GROUP = 16
-"""Most query heads per KV head the kernel takes (`kMaxGroup`)."""
 
 MAX_QUERY_LEN = 16
 """Longest query (one sequence's tokens in a step) always sent to the kernel, whatever its context: a decode
@@ -27,9 +27,6 @@ prefill tok/s kernel against torch: a 512-token first chunk 1035 / 907, chunks o
 1045, four of 128 1383 / 1117; a 1024-token first chunk 916 / 909; a 2048-token one 648 / 740; a 3000-token
 prompt in 512-token chunks 414 / 516)."""
 
-MAX_HEAD_DIM = 512
-"""Largest head dim the kernel takes (`kMaxHeadDim`); it must also be a multiple of 16."""
-
 
 def kernel_query_len(chunks: list[tuple[int, int]]) -> int:
     """The longest query (a sequence's tokens in the step) the kernel takes in a step whose sequences have
@@ -39,33 +36,40 @@ def kernel_query_len(chunks: list[tuple[int, int]]) -> int:
     return max([MAX_QUERY_LEN] + [q for q, _ in chunks if refused is None or q < refused])
 
 
-def kernel_serves(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the kernel takes these shapes, dtypes and layouts (any block size, sliding window, softcap,
-    sinks and attention chunk are its own flags)."""
-    head_dim, kv_heads = k_cache.shape[3], k_cache.shape[2]
-    return (query.device.type == "cpu" and query.dtype in KERNEL_DTYPES
-            and k_cache.dtype == query.dtype and v_cache.dtype == query.dtype
-            and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
-            and query.shape[1] % kv_heads == 0 and query.shape[1] // kv_heads <= MAX_GROUP
-            and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
+@dataclass(frozen=True, slots=True)
+class KernelStep:
+    """How every layer of one step calls the kernel, worked out by the step's first layer (`plan_kernel_step`):
+    the layer's call is then `op(query, key, value, k_cache, v_cache, slot_mapping, *metadata, scale,
+    sliding_window, softcap, sinks, attention_chunk, max_query_len)`, `fastgen::paged_attention`'s arguments.
+
+    The op writes every token's K/V to its slot, then returns the output with the rows of every sequence
+    of 1 to `max_query_len` query tokens attended and zeros in every other row (padding, longer chunks); or
+    None, having touched nothing, where it does not take the layer's tensors (a dtype other than
+    `KERNEL_DTYPES` or not the cache's, a head dim not a multiple of 16 or above 512, more than 16 query heads
+    per KV head, head vectors not contiguous in the cache)."""
+
+    op: torch._ops.OpOverloadPacket
+    """`fastgen::paged_decode_<isa>` (`paged_decode.cpp`), of the variant this process runs."""
+    metadata: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    """The step's block_tables, seq_lens and query_start_loc as contiguous int32, the kernel's types."""
+    max_query_len: int
+    """The longest query the kernel attends this step (`kernel_query_len`)."""
+    every_row: bool
+    """No sequence has a longer query: the op's output is the layer's whole answer."""
 
 
-def cpu_decode_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sliding_window: int,
-                    softcap: float, sinks: torch.Tensor | None, attention_chunk: int, out: torch.Tensor,
-                    max_query_len: int = 1) -> bool:
-    """Attend the query tokens of every sequence that has 1 to `max_query_len` of them (`query_start_loc`),
-    each at its causal position, over its blocks, in one kernel call, into `out` (contiguous, like `query`);
-    the other rows of `out` are left as they are.
-    False, with nothing done, where the kernel is off (`FASTGEN_CPU_KERNELS`), could not be built, or does
-    not take these tensors (`kernel_serves`). This step's K/V must already be in the cache."""
-    if not kernel_serves(query, k_cache, v_cache):
-        return False
-    op = active_op("paged_decode")
+def plan_kernel_step(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+                     ) -> KernelStep | None:
+    """The kernel's part of a step, the same for each layer; None where the kernel is off
+    (`FASTGEN_CPU_KERNELS`), could not be built, or attends none of the step's sequences."""
+    op = active_op("paged_decode") if seq_lens.device.type == "cpu" else None
     if op is None:
-        return False
-    int32 = (t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-             for t in (block_tables, seq_lens, query_start_loc))
-    op(out, query, k_cache, v_cache, *int32, scale, sliding_window, softcap,
-       None if sinks is None else sinks.to(torch.float32).contiguous(), attention_chunk, max_query_len)
-    return True
+        return None
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    queries = [(starts[s + 1] - starts[s], n) for s, n in enumerate(lens) if n > 0 and starts[s + 1] > starts[s]]
+    max_query_len = kernel_query_len(queries)
+    if not any(q <= max_query_len for q, _ in queries):
+        return None
+    metadata = tuple(t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+                     for t in (block_tables, seq_lens, query_start_loc))
+    return KernelStep(op, metadata, max_query_len, all(q <= max_query_len for q, _ in queries))

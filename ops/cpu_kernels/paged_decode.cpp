@@ -1,16 +1,22 @@
-// Paged attention of few-row queries (decode rows) over the blocked KV cache, read in place.
+// Paged attention of few-row queries (decode rows) over the blocked KV cache, read in place, after
+// writing the step's K/V into that cache.
 //
-// One call serves every sequence of a step. Work items are (sequence, KV head, key split): an item
-// scores each tile of its keys (at most 16 tokens of one block) against all the query heads sharing
-// that KV head, then folds the tile into an online softmax kept in fp32. A sequence whose keys are
-// split over several items (long contexts, few sequences: enough items to keep every core busy) gets
-// its partial results merged through their log-sum-exps, as in flash-decoding. Only the slots a row
-// may see are ever read, so whatever stale or NaN values lie beyond them never reach a result.
+// One call serves every sequence of a step, and is all a layer of a decode step runs: the Python around a
+// separate KV write (two index_put_ calls) and a zeroed output cost as much as the attention of a short
+// context (SmolLM2-135M, batch 1, ~300 tokens: ~20 us each).
+//
+// Work items are (sequence, KV head, key split): an item scores each tile of its keys (at most 16 tokens of
+// one block) against all the query heads sharing that KV head, then folds the tile into an online softmax
+// kept in fp32. A sequence whose keys are split over several items (long contexts, few sequences: enough
+// items to keep every core busy) gets its partial results merged through their log-sum-exps, as in
+// flash-decoding. Only the slots a row may see are ever read, so whatever stale or NaN values lie beyond
+// them never reach a result.
 //
 // Built once per ISA variant (ops/cpu_kernels/isa.py names the flags); FASTGEN_ISA names the op.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -21,6 +27,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -394,16 +401,27 @@ void merge_splits(const Problem& p, const Item* first, const float* partials) {
 }
 
 template <typename T>
-void run(const Problem& p, int64_t num_seqs, int64_t max_query_len) {
+void run(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t max_query_len) {
   // Items of every sequence with 1..max_query_len query tokens; longer chunks are the caller's.
   std::vector<int64_t> spans(num_seqs, 0), starts(num_seqs, 0);
+  std::vector<uint8_t> attended(num_tokens, 0);
   int64_t total = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t q_len = p.query_start_loc[s + 1] - p.query_start_loc[s], seq_len = p.seq_lens[s];
+    const int64_t q_start = p.query_start_loc[s], q_len = p.query_start_loc[s + 1] - q_start;
+    const int64_t seq_len = p.seq_lens[s];
     if (seq_len <= 0 || q_len <= 0 || q_len > max_query_len) continue;
+    TORCH_CHECK(q_start >= 0 && q_start + q_len <= num_tokens && q_len <= seq_len, "sequence ", s,
+                ": query tokens ", q_start, "..", q_start + q_len, " do not fit ", num_tokens, " tokens and seq_len ",
+                seq_len);
+    std::fill(attended.begin() + q_start, attended.begin() + q_start + q_len, 1);
     starts[s] = first_visible(p, seq_len - q_len);
     spans[s] = seq_len - starts[s];
     total += spans[s] * q_len * p.kv_heads;
+  }
+  // The output is new: rows of no sequence here (padding, longer chunks) are zeros, as the op's contract says.
+  const int64_t row = p.kv_heads * p.group * p.head_dim;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (!attended[t]) std::fill_n(static_cast<T*>(p.out) + t * row, row, T(0));
   }
   // Enough items for every thread to take several, each long enough to pay for its merge.
   const int64_t threads = at::get_num_threads();
@@ -451,40 +469,83 @@ void run(const Problem& p, int64_t num_seqs, int64_t max_query_len) {
   });
 }
 
-void paged_decode(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                  double scale, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks,
-                  int64_t attention_chunk, int64_t max_query_len) {
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache head vectors must be contiguous");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(),
-              "query, caches and out must share a dtype");
+// Whether the kernel takes these tensors: else the op returns no tensor, touching nothing, and the caller's
+// torch path answers (any block size, window, softcap, sinks and attention chunk are the kernel's own flags).
+bool serves(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const auto dtype = query.scalar_type();
+  const int64_t kv_heads = k_cache.size(2), D = k_cache.size(3);
+  return (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && query.dim() == 3 &&
+         k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && v_cache.sizes() == k_cache.sizes() &&
+         query.size(2) == D && D % 16 == 0 && D <= kMaxHeadDim && query.size(1) % kv_heads == 0 &&
+         query.size(1) / kv_heads <= kMaxGroup && k_cache.stride(3) == 1 && v_cache.stride(3) == 1;
+}
+
+// rows[t] (`[T, kv_heads, head_dim]`) copied to slot slots[t] of `cache` (`[num_blocks, block_size, kv_heads,
+// head_dim]` by shape, any strides with whole head vectors), as bytes: any dtype; slot -1 is skipped.
+void write_rows(const at::Tensor& rows, const at::Tensor& cache, const int64_t* slots) {
+  const at::Tensor src_rows = rows.to(cache.scalar_type());
+  const at::Tensor r = src_rows.stride(2) == 1 ? src_rows : src_rows.contiguous();
+  const int64_t size = cache.element_size(), bytes = cache.size(3) * size, block_size = cache.size(1);
+  const char* src = static_cast<const char*>(r.data_ptr());
+  char* dst = static_cast<char*>(cache.data_ptr());
+  for (int64_t t = 0; t < r.size(0); ++t) {
+    if (slots[t] < 0) continue;
+    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+    for (int64_t h = 0; h < cache.size(2); ++h) {
+      std::memcpy(dst + (block * cache.stride(0) + offset * cache.stride(1) + h * cache.stride(2)) * size,
+                  src + (t * r.stride(0) + h * r.stride(1)) * size, bytes);
+    }
+  }
+}
+
+// The op: every token's K/V written to its slot before any sequence attends (a sequence admitted with a
+// prefix-cache hit may read blocks another sequence of the same step fills), then the rows of every
+// sequence with 1..max_query_len query tokens attended into a new output, zeros in every other row.
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                        double scale, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks,
+                        int64_t attention_chunk, int64_t max_query_len) {
+  if (!serves(query, k_cache, v_cache)) return {};
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
               "metadata must be contiguous int32");
-  const int64_t D = query.size(2), kv_heads = k_cache.size(2);
-  TORCH_CHECK(query.size(1) % kv_heads == 0 && query.size(1) / kv_heads <= kMaxGroup, "unsupported GQA group");
-  TORCH_CHECK(D % W == 0 && D % 16 == 0 && D <= kMaxHeadDim, "unsupported head dim ", D);
-  if (sinks.has_value()) {
-    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == query.size(1),
-                "sinks must be contiguous float32 [num_q_heads]");
+  const int64_t num_tokens = query.size(0), kv_heads = k_cache.size(2), D = k_cache.size(3);
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == num_tokens, "slot_mapping must hold one slot per query token");
+  for (const at::Tensor* rows : {&key, &value}) {
+    TORCH_CHECK(rows->dim() == 3 && rows->size(0) == num_tokens && rows->size(1) == kv_heads && rows->size(2) == D,
+                "key and value must be [T, num_kv_heads, head_dim] as the cache");
   }
-  Problem p{query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " is beyond the cache's ", capacity);
+  }
+  write_rows(key, k_cache, slot);
+  write_rows(value, v_cache, slot);
+  std::optional<at::Tensor> sinks_f;
+  if (sinks.has_value()) {
+    sinks_f = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sinks_f->numel() == query.size(1), "sinks must hold one logit per query head");
+  }
+  const at::Tensor q = query.contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  Problem p{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
             block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
-            sinks.has_value() ? sinks->data_ptr<float>() : nullptr,
+            sinks_f.has_value() ? sinks_f->data_ptr<float>() : nullptr,
             block_tables.stride(0), k_cache.size(1), kv_heads, query.size(1) / kv_heads, D,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), static_cast<float>(scale), static_cast<float>(softcap), sliding_window,
             attention_chunk};
   const int64_t num_seqs = seq_lens.size(0);
-  switch (query.scalar_type()) {
-    case at::kFloat: run<float>(p, num_seqs, max_query_len); break;
-    case at::kBFloat16: run<c10::BFloat16>(p, num_seqs, max_query_len); break;
-    case at::kHalf: run<c10::Half>(p, num_seqs, max_query_len); break;
-    default: TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
+  switch (q.scalar_type()) {
+    case at::kFloat: run<float>(p, num_seqs, num_tokens, max_query_len); break;
+    case at::kBFloat16: run<c10::BFloat16>(p, num_seqs, num_tokens, max_query_len); break;
+    default: run<c10::Half>(p, num_seqs, num_tokens, max_query_len); break;
   }
+  return out;
 }
 
 }  // namespace
@@ -494,10 +555,11 @@ void paged_decode(const at::Tensor& out, const at::Tensor& query, const at::Tens
 #define FASTGEN_OP "paged_decode_" FASTGEN_STR(FASTGEN_ISA)
 
 TORCH_LIBRARY_FRAGMENT(fastgen, m) {
+  // fastgen::paged_attention's arguments, and the longest query it attends; no tensor where `serves` says no.
   m.def(FASTGEN_OP
-        "(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale, int sliding_window, float softcap, Tensor? sinks, "
-        "int attention_chunk, int max_query_len) -> ()");
+        "(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, "
+        "float softcap, Tensor? sinks, int attention_chunk, int max_query_len) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastgen, CPU, m) { m.impl(FASTGEN_OP, &paged_decode); }
