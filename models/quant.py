@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastgen.ops.cpu_kernels.q4 import pack_q4, q4_blocker, q4_matmul_op
 from fastgen.models.parallel import SINGLE, ParallelLMHead, copy_parallel_layout, finish_row_parallel
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -107,7 +108,8 @@ class QuantizedLinear(nn.Module):
         if hasattr(linear, "load_checkpoint_shard"):
             self.load_checkpoint_shard = linear.load_checkpoint_shard
         self.kernel = ""
-        """Which packed kernel `forward` calls: "int8", "int4_cpu" or "int4_cuda" ("" until packed)."""
+        """Which packed kernel `forward` calls: "int8", "int4_q4" (fastgen's C++ CPU kernel, `q4_matmul.cpp`),
+        "int4_cpu" (torch's, where that one cannot run) or "int4_cuda" ("" until packed)."""
         self._staged: dict[str, torch.Tensor] = {}
         self._rows_in: torch.Tensor | None = None
 
@@ -155,17 +157,22 @@ class QuantizedLinear(nn.Module):
             self.kernel = "int8"
         else:
             q = staged["q"]
-            if device.type == "cuda":
-                # The CUDA converter takes two values per byte, the even column in the high nibble.
-                packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(),
-                                                                    _inner_k_tiles(self.in_features))
-                self.kernel = "int4_cuda"
+            if device.type == "cpu" and q4_blocker(device, self.group_size) is None:
+                packed, scales_zeros = pack_q4(q, staged["scales"], staged["zeros"])
+                self.q4_matmul = q4_matmul_op()
+                self.kernel = "int4_q4"
             else:
-                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32),
-                                                                            _inner_k_tiles(self.in_features))
-                self.kernel = "int4_cpu"
-            # [K / group, N, 2]: each group's scale and zero side by side, as the kernels read them.
-            scales_zeros = torch.stack((staged["scales"], staged["zeros"]), dim=-1).transpose(0, 1).contiguous()
+                if device.type == "cuda":
+                    # The CUDA converter takes two values per byte, the even column in the high nibble.
+                    packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(),
+                                                                        _inner_k_tiles(self.in_features))
+                    self.kernel = "int4_cuda"
+                else:
+                    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32),
+                                                                                _inner_k_tiles(self.in_features))
+                    self.kernel = "int4_cpu"
+                # [K / group, N, 2]: each group's scale and zero side by side, as the kernels read them.
+                scales_zeros = torch.stack((staged["scales"], staged["zeros"]), dim=-1).transpose(0, 1).contiguous()
             self.register_buffer("qweight", packed)
             self.register_buffer("scales_zeros", scales_zeros)
         self.weight = None
@@ -175,6 +182,9 @@ class QuantizedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.kernel == "int8":
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        elif self.kernel == "int4_q4":
+            out = self.q4_matmul(flat if flat.stride(1) == 1 else flat.contiguous(), self.qweight, self.scales_zeros,
+                                 self.group_size)
         elif self.kernel == "int4_cpu":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales_zeros)
         elif self.kernel == "int4_cuda":

@@ -18,10 +18,10 @@ from typing import Any, Callable
 import torch
 
 from fastgen.models.quant import DEFAULT_GROUP_SIZE
-from fastgen.ops.cpu_kernels import ENV_VAR, ISA_NOTES, MAX_QUERY_LEN, build_dir, isas_from_flags, pick_isa, requested_isa
 from fastgen.ops.packed_linear import PREPACK_DTYPES, prepack_available
 from fastgen.ops.prefault import prefault_supported
-from fastgen.planning.hardware import Hardware, cpu_kernel_blocker, detect_hardware
+from fastgen.planning.cpu_kernels_plan import choose_cpu_attention, int4_kernel_reason
+from fastgen.planning.hardware import Hardware, detect_hardware
 from fastgen.planning.head_plan import choose_lm_head_quantization, q8_head_bytes
 from fastgen.planning.lora_plan import choose_lora
 from fastgen.planning.memory import (CPU_KV_RAM_FRACTION, GPU_MEMORY_FRACTION, activation_reserve,
@@ -97,6 +97,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     state_slots = pick("state_slots", lambda: _choose_state_slots(model, dtype, tp, max_seqs))
     _check_state_slots(model, state_slots)
     group = pick("quantization_group_size", lambda: choose_group_size(model, quant, tp))
+    if quant == "int4" and cpu:
+        reasons["quantization"] += f"; {int4_kernel_reason(hardware, group)}"
     weights = model.weight_bytes(dtype, quant, group)
     replicas = pick("replica_num", lambda: _choose_replicas(hardware, tp))
     if not cpu and tp * replicas > hardware.gpu_count * hardware.nodes:
@@ -340,26 +342,12 @@ def _choose_attention(hw: Hardware) -> tuple[str, str]:
     """Triton on CUDA devices Triton supports (cc >= 8.0), fastgen's C++ kernel on CPUs that can build and
     run it, the torch reference elsewhere."""
     if hw.device_type == "cpu":
-        return _choose_cpu_attention(hw)
+        return choose_cpu_attention(hw)
     cc = min(g.compute_capability for g in hw.gpus)
     if cc < (8, 0):
         return "torch", (f"cc {cc[0]}.{cc[1]}: Triton supports 8.0+, and since Triton 3.3 its tl.dot below 8.0 "
                          "compiles to FMA (no tensor cores)")
     return "triton", "one Triton launch serves mixed prefill+decode steps over the block tables"
-
-
-def _choose_cpu_attention(hw: Hardware) -> tuple[str, str]:
-    """The C++ decode kernel's best variant under `FASTGEN_CPU_KERNELS`, else the torch path, with the reason."""
-    blocker = cpu_kernel_blocker(hw)
-    if blocker is not None:
-        return "torch", f"{blocker}: no C++ CPU kernel; Triton runs on a CPU only through its interpreter"
-    requested = requested_isa()
-    isa = pick_isa(isas_from_flags(hw.cpu_flags), requested)
-    capped = f", capped by {ENV_VAR}={requested}" if requested != "auto" else ""
-    return "cpu", (f"C++ paged decode attention, {isa} variant{capped}: {ISA_NOTES[isa]}; decode rows, "
-                   f"verification rows and prompt chunks of up to {MAX_QUERY_LEN} tokens in one call, KV blocks "
-                   f"read in place (longer prompt chunks: torch's flash kernel); built by "
-                   f"{hw.cpp_compiler} at first use into {build_dir(isa)}")
 
 
 CPU_COMPILE_MIN_PARAMS = 50_000_000

@@ -1,0 +1,120 @@
+"""int4 linears on fastgen's C++ CPU kernel (`q4_matmul.cpp`): the layout against its inverse, the kernel
+against a float64 oracle of the same arithmetic (each ISA variant, dtypes, odd shapes, all-zero groups), the
+kernel's refusals, and `QuantizedLinear` picking it (and torch's int4 kernel where it cannot run) with both
+close to the dequantized weight's product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fastgen.models.quant import QuantizedLinear, quantize_int4
+from fastgen.ops.cpu_kernels import ENV_VAR, ISAS, kernel_op, supported_isas
+from fastgen.ops.cpu_kernels.q4 import dequantize_q4, pack_q4, q4_matmul_op, unpack_q4
+
+
+def _packed(n: int, k: int, group: int, dtype: torch.dtype, generator: torch.Generator):
+    weight = torch.randn(n, k, generator=generator) * 0.05
+    weight[n // 2, :group] = 0  # a group of zeros: scale at its floor, every value the zero point
+    q, scales, zeros = quantize_int4(weight, group, dtype)
+    return weight, q, *pack_q4(q, scales, zeros)
+
+
+def _oracle(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """x @ W^T in float64 with each row of x quantized to int8 per group first (scale = max |x| / 127, values
+    rounded to nearest even through the fp32 reciprocal): the kernel's arithmetic."""
+    rows, k = x.shape
+    xf = x.float().view(rows, k // group, group)
+    scale = xf.abs().amax(dim=-1) / 127
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    xq = torch.round(xf * inverse[..., None]).double() * scale.double()[..., None]
+    return xq.view(rows, k) @ dequantize_q4(packed, scales_zeros, group).double().t()
+
+
+def test_layout_round_trips():
+    q = torch.randint(0, 16, (48, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed, scales_zeros = pack_q4(q, torch.ones(48, 2), torch.zeros(48, 2))
+    assert packed.shape == (48, 128) and scales_zeros.shape == (48, 2, 2)
+    assert torch.equal(unpack_q4(packed), q)
+    # byte j of a 64-input chunk: input j low, input j + 32 high
+    assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 32]) << 4
+    assert int(packed[3, 33]) == int(q[3, 65]) | int(q[3, 97]) << 4
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_kernel_equals_float64_oracle(isa, dtype, monkeypatch):
+    """Every ISA variant this CPU runs, in each dtype, over 1..9 rows (the 4-row groups and every remainder),
+    output widths that are no multiple of the 32-column tile, group sizes 64 to 256 and zero groups in x and W."""
+    if isa not in supported_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    monkeypatch.setenv(ENV_VAR, isa)
+    if kernel_op("q4_matmul", isa) is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    op = q4_matmul_op()
+    generator = torch.Generator().manual_seed(1)
+    for rows, k, n, group in ((1, 64, 37, 64), (3, 576, 301, 64), (4, 1536, 64, 128), (9, 512, 97, 256),
+                              (5, 384, 16, 128)):
+        _, _, packed, scales_zeros = _packed(n, k, group, dtype, generator)
+        x = (torch.randn(rows, k, generator=generator) * 3).to(dtype)
+        x[0, -group:] = 0
+        out = op(x, packed, scales_zeros, group)
+        assert out.dtype == dtype and out.shape == (rows, n)
+        want = _oracle(x, packed, scales_zeros, group)
+        # fp32 sums in another order; bf16/fp16 round the result once
+        rtol = 1e-5 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(out.double(), want, rtol=rtol, atol=rtol * want.abs().max().item())
+
+
+def test_kernel_refuses_what_it_cannot_take(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    op = q4_matmul_op()
+    if op is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    _, _, packed, scales_zeros = _packed(16, 128, 64, torch.float32, torch.Generator().manual_seed(2))
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        op(torch.randn(1, 64), packed, scales_zeros, 64)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        op(torch.randn(1, 128), packed, scales_zeros, 32)  # a group of 32 is not whole chunks
+    with pytest.raises(RuntimeError, match="scales_zeros of x's dtype"):
+        op(torch.randn(1, 128), packed, scales_zeros.bfloat16(), 64)
+    monkeypatch.setenv(ENV_VAR, "off")
+    assert q4_matmul_op() is None
+
+
+def _linear(weight: torch.Tensor, group: int, dtype: torch.dtype) -> QuantizedLinear:
+    with torch.device("meta"):
+        layer = QuantizedLinear(nn.Linear(weight.shape[1], weight.shape[0], bias=False), "int4", dtype, group)
+    layer.load_rows(0, weight, torch.device("cpu"))
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_takes_the_kernel_where_it_runs(dtype, monkeypatch):
+    """A CPU int4 linear packs for the kernel where it can run (groups of whole 64-input chunks), else for
+    torch's int4 kernel (group 32, or the kernels off); every way gives the dequantized weight's product
+    within the int8 rounding of the activations."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 256, generator=generator) * 0.05
+    x = torch.randn(5, 256, generator=generator).to(dtype)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    expected_kernel = "int4_q4" if q4_matmul_op() is not None else "int4_cpu"
+    cases = [(64, None, expected_kernel), (32, None, "int4_cpu"), (64, "off", "int4_cpu")]
+    for group, env, kernel in cases:
+        if env is None:
+            monkeypatch.delenv(ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(ENV_VAR, env)
+        layer = _linear(weight, group, dtype)
+        assert layer.kernel == kernel, (group, env)
+        q, scales, zeros = quantize_int4(weight, group, dtype)
+        dequantized = ((q.float() - 8).view(96, -1, group) * scales.float()[..., None]
+                       + zeros.float()[..., None]).view(96, 256)
+        want = x.double() @ dequantized.double().t()
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (5, 96)
+        got = out.double()
+        # int8 activations lose ~1/254 of each group's largest |x|; bf16 adds its own rounding
+        tol = (1e-2 if kernel == "int4_q4" else 1e-4) + (1e-2 if dtype == torch.bfloat16 else 0)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
