@@ -1,15 +1,18 @@
-"""Weight-only quantization of the decoder's linear layers, run by PyTorch's own packed ATen kernels.
+"""Weight-only quantization of the decoder's linear layers, run by fastgen's C++ CPU kernels where they
+build, else by PyTorch's own packed ATen kernels.
 
-- int8: symmetric, one scale per output channel (`w ~ q * scale`, q in [-128, 127]);
-  `aten._weight_int8pack_mm(x, q, scales)` on the CPU and on CUDA.
+- int8 on a CPU with the kernels: GGUF's Q8_0, one fp16 scale per 32 inputs (`w ~ q * scale`, q in
+  [-127, 127]), multiplied by `q8_matmul.cpp` (x quantized to Q8_0 too, integer dot products, as llama.cpp
+  does). Elsewhere: symmetric, one scale per output channel, `aten._weight_int8pack_mm(x, q, scales)`.
 - int4: asymmetric, one scale and zero per `group_size` input features of each output channel
-  (`w ~ (q - 8) * scale + zero`, q in [0, 15], the layout the kernels read); on the CPU
-  `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`, on CUDA
+  (`w ~ (q - 8) * scale + zero`, q in [0, 15]); on a CPU with the kernels and groups of whole 64-input
+  chunks `q4_matmul.cpp` (x quantized to int8 per group, integer dot products), else
+  `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`; on CUDA
   `aten._convert_weight_to_int4pack` + `aten._weight_int4pack_mm` (unverified on a GPU: no GPU ran
   these tests).
 
-Activations stay in the plan dtype (bf16, fp16 or fp32); the kernels dequantize on the fly, so a
-decode step streams 1 (int8) or ~0.5 (int4) bytes per weight instead of 2. The loader quantizes
+Activations stay in the plan dtype (bf16, fp16 or fp32) between layers; the kernels dequantize on the fly
+or quantize x, so a decode step streams ~1 (int8) or ~0.5 (int4) bytes per weight instead of 2. The loader quantizes
 each checkpoint tensor as it places it (`QuantizedLinear.load_rows`): the full-precision model never
 exists, only one tensor of it at a time. Quantized are the linears inside the decoder layers (q/k/v/o,
 gate/up/down, fc1/fc2, shared experts); embeddings, the LM head, MoE routers and the stacked routed
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from fastgen.ops.cpu_kernels.q4 import pack_q4, q4_blocker, q4_matmul_op
+from fastgen.ops.cpu_kernels.q8 import BLOCK as Q8_BLOCK, q8_matmul_op, quantize_q8_0
 from fastgen.models.parallel import SINGLE, ParallelLMHead, copy_parallel_layout, finish_row_parallel
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -108,8 +112,14 @@ class QuantizedLinear(nn.Module):
         if hasattr(linear, "load_checkpoint_shard"):
             self.load_checkpoint_shard = linear.load_checkpoint_shard
         self.kernel = ""
-        """Which packed kernel `forward` calls: "int8", "int4_q4" (fastgen's C++ CPU kernel, `q4_matmul.cpp`),
+        """Which packed kernel `forward` calls: "int8_q8_0" (fastgen's C++ CPU kernel, `q8_matmul.cpp`), "int8"
+        (torch's, where that one cannot run), "int4_q4" (fastgen's C++ CPU kernel, `q4_matmul.cpp`),
         "int4_cpu" (torch's, where that one cannot run) or "int4_cuda" ("" until packed)."""
+        self.q8_matmul: torch._ops.OpOverload | None = None
+        """The C++ op of kernel "int8_q8_0" (`fastgen.ops.cpu_kernels.q8.q8_matmul_op`), picked before the
+        first rows are quantized, for their layout."""
+        self.q4_matmul: torch._ops.OpOverload | None = None
+        """The C++ op of kernel "int4_q4" (`fastgen.ops.cpu_kernels.q4.q4_matmul_op`)."""
         self._staged: dict[str, torch.Tensor] = {}
         self._rows_in: torch.Tensor | None = None
 
@@ -128,7 +138,12 @@ class QuantizedLinear(nn.Module):
         n, k = self.out_features, self.in_features
         if not self._staged:
             self._rows_in = torch.zeros(n, dtype=torch.bool)
-            if self.mode == "int8":
+            if self.mode == "int8" and device.type == "cpu" and k % Q8_BLOCK == 0:
+                self.q8_matmul = q8_matmul_op()
+            if self.q8_matmul is not None:
+                self._staged = {"q": torch.empty(n, k, dtype=torch.int8, device=device),
+                                "scales": torch.empty(n, k // Q8_BLOCK, dtype=torch.float16, device=device)}
+            elif self.mode == "int8":
                 self._staged = {"q": torch.empty(n, k, dtype=torch.int8, device=device),
                                 "scales": torch.empty(n, dtype=self.dtype, device=device)}
             else:
@@ -139,7 +154,7 @@ class QuantizedLinear(nn.Module):
         rows = rows.to(device)
         end = start + rows.shape[0]
         if self.mode == "int8":
-            parts = quantize_int8(rows, self.dtype)
+            parts = quantize_q8_0(rows) if self.q8_matmul is not None else quantize_int8(rows, self.dtype)
         else:
             parts = quantize_int4(rows, self.group_size, self.dtype)
         for name, part in zip(self._staged, parts):
@@ -154,7 +169,7 @@ class QuantizedLinear(nn.Module):
         if self.mode == "int8":
             self.register_buffer("qweight", staged["q"])
             self.register_buffer("scales", staged["scales"])
-            self.kernel = "int8"
+            self.kernel = "int8_q8_0" if self.q8_matmul is not None else "int8"
         else:
             q = staged["q"]
             if device.type == "cpu" and q4_blocker(device, self.group_size) is None:
@@ -180,7 +195,11 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T (+ bias)` over the last dimension of `x` (this rank's input columns if row-parallel)."""
         flat = x.reshape(-1, self.in_features)
-        if self.kernel == "int8":
+        if self.kernel == "int8_q8_0":
+            out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32, device=flat.device)
+            self.q8_matmul(out, flat if flat.stride(1) == 1 else flat.contiguous(), self.qweight, self.scales)
+            out = out.to(x.dtype)
+        elif self.kernel == "int8":
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
         elif self.kernel == "int4_q4":
             out = self.q4_matmul(flat if flat.stride(1) == 1 else flat.contiguous(), self.qweight, self.scales_zeros,

@@ -7,9 +7,12 @@ head, in Q8_0). The kernel quantizes each row of x to Q8_0 too and sums int8 pro
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from fastgen.ops.cpu_kernels.build import active_op
+from fastgen.ops.cpu_kernels.build import active_op, kernel_op
+from fastgen.ops.cpu_kernels.isa import cpu_kernel_isa
 
 BLOCK = 32
 """Values per Q8_0 block (one scale each)."""
@@ -43,3 +46,20 @@ def cpu_q8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -
     out = torch.empty(x.shape[0], values.shape[0], dtype=torch.float32)
     op(out, x if x.stride(-1) == 1 else x.contiguous(), values, scales)
     return out
+
+
+def q8_matmul_op() -> torch._ops.OpOverload | None:
+    """`fastgen::q8_matmul_<isa>` (out `[M, N]` fp32, written; x `[M, K]`; values; scales) of the variant this
+    process runs now, with its shape function registered so a compiled layer calls it directly; None where
+    the kernels are off or could not be built."""
+    isa = cpu_kernel_isa()
+    return None if isa is None else _q8_matmul_op(isa)
+
+
+@functools.cache
+def _q8_matmul_op(isa: str) -> torch._ops.OpOverload | None:
+    op = kernel_op("q8_matmul", isa)
+    if op is None:
+        return None
+    torch.library.register_fake(f"fastgen::q8_matmul_{isa}", lambda out, x, values, scales: None)
+    return op.default

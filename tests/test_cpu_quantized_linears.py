@@ -1,7 +1,8 @@
-"""int4 linears on fastgen's C++ CPU kernel (`q4_matmul.cpp`): the layout against its inverse, the kernel
-against a float64 oracle of the same arithmetic (each ISA variant, dtypes, odd shapes, all-zero groups), the
-kernel's refusals, and `QuantizedLinear` picking it (and torch's int4 kernel where it cannot run) with both
-close to the dequantized weight's product."""
+"""Quantized linears on fastgen's C++ CPU kernels. int4 (`q4_matmul.cpp`): the layout against its inverse,
+the kernel against a float64 oracle of the same arithmetic (each ISA variant, dtypes, odd shapes, all-zero
+groups), its refusals, and `QuantizedLinear` picking it (torch's int4 kernel where it cannot run). int8: the
+layer in Q8_0 (`q8_matmul.cpp`, whose kernel tests/test_q8_head.py checks) against the same oracle, and
+torch's int8 where the kernels are off; every way close to the dequantized weight's product."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 from fastgen.models.quant import QuantizedLinear, quantize_int4
 from fastgen.ops.cpu_kernels import ENV_VAR, ISAS, kernel_op, supported_isas
 from fastgen.ops.cpu_kernels.q4 import dequantize_q4, pack_q4, q4_matmul_op, unpack_q4
+from fastgen.ops.cpu_kernels.q8 import BLOCK, dequantize_q8_0, q8_matmul_op, quantize_q8_0
 
 
 def _packed(n: int, k: int, group: int, dtype: torch.dtype, generator: torch.Generator):
@@ -83,10 +85,12 @@ def test_kernel_refuses_what_it_cannot_take(monkeypatch):
     assert q4_matmul_op() is None
 
 
-def _linear(weight: torch.Tensor, group: int, dtype: torch.dtype) -> QuantizedLinear:
+def _linear(weight: torch.Tensor, group: int, dtype: torch.dtype, mode: str = "int4") -> QuantizedLinear:
     with torch.device("meta"):
-        layer = QuantizedLinear(nn.Linear(weight.shape[1], weight.shape[0], bias=False), "int4", dtype, group)
-    layer.load_rows(0, weight, torch.device("cpu"))
+        layer = QuantizedLinear(nn.Linear(weight.shape[1], weight.shape[0], bias=False), mode, dtype, group)
+    half = weight.shape[0] // 2  # loaded in two pieces, as the loader hands a merged layer its tensors
+    layer.load_rows(0, weight[:half], torch.device("cpu"))
+    layer.load_rows(half, weight[half:], torch.device("cpu"))
     return layer
 
 
@@ -118,3 +122,29 @@ def test_linear_takes_the_kernel_where_it_runs(dtype, monkeypatch):
         # int8 activations lose ~1/254 of each group's largest |x|; bf16 adds its own rounding
         tol = (1e-2 if kernel == "int4_q4" else 1e-4) + (1e-2 if dtype == torch.bfloat16 else 0)
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_linear_holds_q8_0_where_the_kernel_runs(dtype, monkeypatch):
+    """A CPU int8 linear is Q8_0 (a scale per 32 inputs) on the kernel, equal to the float64 oracle of x
+    quantized to Q8_0 times the Q8_0 weight; with the kernels off it is torch's per-channel int8."""
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(80, 96, generator=generator) * torch.rand(80, 1, generator=generator)
+    weight[7] = 0  # an all-zero row: every block's scale 0
+    x = torch.randn(6, 96, generator=generator).to(dtype)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    if q8_matmul_op() is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    layer = _linear(weight, 32, dtype, "int8")
+    assert layer.kernel == "int8_q8_0" and layer.scales.shape == (80, 96 // BLOCK)
+    values, scales = quantize_q8_0(weight)
+    assert torch.equal(layer.qweight, values) and torch.equal(layer.scales, scales)
+    x_values, x_scales = quantize_q8_0(x.float())
+    x_q = (x_values.double().view(6, -1, BLOCK) * x_scales.double().unsqueeze(-1)).view(6, 96)
+    want = x_q @ dequantize_q8_0(values, scales).double().t()
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (6, 80)
+    rtol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.double(), want, rtol=rtol, atol=rtol * want.abs().max().item())
+    monkeypatch.setenv(ENV_VAR, "off")
+    assert _linear(weight, 32, dtype, "int8").kernel == "int8"
