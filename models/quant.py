@@ -243,12 +243,13 @@ def quantizable_linears(model: nn.Module, quantized: bool = False) -> dict[str, 
 
 def quantized_weight_bytes(out_features: int, in_features: int, mode: str, dtype: torch.dtype,
                            group_size: int = DEFAULT_GROUP_SIZE) -> int:
-    """Bytes a `QuantizedLinear`'s packed weight holds (its bias aside): int8 values plus one `dtype`
-    scale per output channel, or int4 values (two per byte) plus a `dtype` scale and zero per group
-    of `group_size` input features (a partial group counted whole, for shapes int4 would refuse)."""
+    """Bytes a `QuantizedLinear`'s packed weight holds (its bias aside): int8 values plus, per output
+    channel, the larger of one `dtype` scale and Q8_0's fp16 scale per 32 inputs (the layout of CPUs that
+    run fastgen's kernels), or int4 values (two per byte) plus a `dtype` scale and zero per group of
+    `group_size` input features (a partial group counted whole, for shapes int4 would refuse)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     if mode == "int8":
-        return out_features * in_features + out_features * itemsize
+        return out_features * in_features + out_features * max(itemsize, 2 * -(-in_features // Q8_BLOCK))
     if mode == "int4":
         return out_features * in_features // 2 + 2 * out_features * -(-in_features // group_size) * itemsize
     raise ValueError(f"quantized_weight_bytes: mode must be 'int8' or 'int4', got {mode!r}")
