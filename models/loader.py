@@ -381,7 +381,7 @@ def load_model(
     quantize_decoder_linears(model, quantization, dtype, quantization_group_size)
     sink = _WeightSink(model, dtype, device, on_layer_loaded)
     if gguf_file is not None:
-        reader = gguf_format.open_gguf(gguf_file)
+        reader = gguf_format.tensor_index(model_dir, gguf_file) or gguf_format.open_gguf(gguf_file)
         tensors = gguf_format.iter_gguf_tensors(gguf_file, config.raw, reader)
         sources, total, name = [tensors], gguf_format.gguf_weight_count(reader), os.path.basename(gguf_file)
     else:

@@ -312,6 +312,34 @@ def test_greedy_equals_hf_original_architecture_with_the_files_weights(model_typ
     assert fastgen_greedy(path, prompts, NUM_NEW) == hf_greedy(hf, prompts, NUM_NEW)
 
 
+def test_loads_read_the_tensor_index_not_the_metadata(tmp_path, monkeypatch):
+    """The prepared directory's tensor index lists every tensor where the file holds it: the same bytes as
+    `gguf.GGUFReader` maps, the same dequantized HF tensors, and a load reads the index alone (no reader)."""
+    ckpt = tiny_checkpoint(tmp_path, "llama", HF_READABLE["llama"])
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(ckpt, path)
+    model_dir = resolve_model_dir(path)
+    index = fastgen_gguf.tensor_index(model_dir, path)
+    reader = gguf.GGUFReader(path)
+    assert index is not None and index.architecture == "llama"
+    assert [t.name for t in index.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(index.tensors, reader.tensors):
+        assert ours.tensor_type == theirs.tensor_type and list(ours.shape) == [int(d) for d in theirs.shape]
+        assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data)
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    via_index = dict(fastgen_gguf.iter_gguf_tensors(path, config, index))
+    via_reader = dict(fastgen_gguf.iter_gguf_tensors(path, config, reader))
+    assert via_index.keys() == via_reader.keys()
+    assert all(torch.equal(via_index[name], via_reader[name]) for name in via_reader)
+
+    def no_reader(*args, **kwargs):
+        raise AssertionError("the load parsed the GGUF metadata")
+
+    monkeypatch.setattr(fastgen_gguf, "open_gguf", no_reader)
+    assert fastgen_greedy(path, prompts_of()[:2], 3)
+
+
 def test_tokenizer_and_chat_template_come_from_the_file(tmp_path):
     ckpt = tiny_checkpoint(tmp_path, "llama", {})
     path = str(tmp_path / "tiny.gguf")

@@ -15,8 +15,8 @@ import os
 import shutil
 import tempfile
 
-from fastgen.models.gguf.metadata import gguf_config_dict
-from fastgen.models.gguf.reader import Metadata, open_gguf
+from fastgen.models.gguf.metadata import family_of, gguf_config_dict
+from fastgen.models.gguf.reader import Metadata, TensorIndex, open_gguf, read_tensor_index, tensor_index_entries
 from fastgen.ops.cache_dir import fastgen_cache_dir
 
 logger = logging.getLogger("fastgen")
@@ -27,8 +27,11 @@ GGUF_SUFFIX = ".gguf"
 SOURCE_MARKER = "gguf_source.json"
 """File in a prepared directory naming the GGUF file it stands for."""
 
+TENSOR_INDEX = "gguf_tensors.json"
+"""File in a prepared directory listing the GGUF file's architecture and tensors (`TensorIndex`)."""
+
 # Bump when the files written by `prepare_gguf_dir` change, so older cache entries are not reused.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 
 def find_gguf_file(path: str) -> str | None:
@@ -79,9 +82,20 @@ def gguf_source(model_dir: str) -> str | None:
     return path
 
 
+def tensor_index(model_dir: str, gguf_path: str) -> TensorIndex | None:
+    """The `TensorIndex` a prepared directory holds for its GGUF file (`gguf_source` has checked that the
+    file is unchanged), or None for a directory without one."""
+    index = os.path.join(model_dir, TENSOR_INDEX)
+    if not os.path.isfile(index):
+        return None
+    with open(index, encoding="utf-8") as f:
+        return read_tensor_index(gguf_path, json.load(f))
+
+
 def prepare_gguf_dir(gguf_path: str) -> str:
     """A directory that stands for the GGUF file: config.json, generation_config.json and the tokenizer
-    files, plus a marker naming the file (whose weights `load_model` reads directly).
+    files, the file's `TensorIndex`, plus a marker naming the file (whose weights `load_model` reads
+    directly).
 
     Built once per file version in `gguf_cache_dir()`; later calls only check it. Concurrent callers
     (serving replicas) are safe: each builds in a temporary directory and the first rename wins.
@@ -101,6 +115,8 @@ def prepare_gguf_dir(gguf_path: str) -> str:
         _write_json(os.path.join(scratch, "config.json"), config)
         _write_json(os.path.join(scratch, "generation_config.json"),
                     _generation_config(Metadata(reader, gguf_path), config))
+        architecture, _ = family_of(Metadata(reader, gguf_path))
+        _write_json(os.path.join(scratch, TENSOR_INDEX), tensor_index_entries(reader, architecture))
         del reader  # its parsed metadata holds the whole vocabulary; transformers reads the file itself
         _convert_tokenizer(gguf_path).save_pretrained(scratch)
         _write_json(os.path.join(scratch, SOURCE_MARKER), identity)  # last: it marks the directory complete

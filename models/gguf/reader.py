@@ -5,6 +5,7 @@ The package is imported only when a GGUF file is loaded, so fastgen works withou
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -118,3 +119,49 @@ def tensor_values(tensor) -> np.ndarray:
     return values if values.flags.writeable else values.copy()  # F32 comes back as a read-only memmap view
 
 
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedTensor:
+    """One tensor of a GGUF file found through its `TensorIndex`: what the loader reads of a
+    `gguf.ReaderTensor` (name, ggml type, ggml-order shape, memory-mapped data)."""
+
+    name: str
+    tensor_type: Any
+    """Its `gguf.GGMLQuantizationType`."""
+    shape: list[int]
+    """Its dimensions in ggml order (fastest-varying first), as `ReaderTensor.shape`."""
+    data: np.ndarray
+    """Its bytes or values, memory-mapped, shaped as `ReaderTensor.data`."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorIndex:
+    """What loading needs of a GGUF file without parsing its metadata: the architecture and where each
+    tensor lies. `gguf.GGUFReader` parses every metadata field, the vocabulary and merges included (~2 s for
+    SmolLM2-135M's 49152-token vocabulary on a 2-core EPYC); the index, written once when the file's
+    directory is prepared, takes milliseconds."""
+
+    architecture: str
+    tensors: list[IndexedTensor]
+
+
+def tensor_index_entries(reader, architecture: str) -> dict:
+    """A reader's tensors as the JSON `read_tensor_index` takes: name, type, shape, file offset, data layout."""
+    return {"architecture": architecture,
+            "tensors": [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape],
+                         "offset": int(t.data_offset), "dtype": t.data.dtype.str, "data_shape": list(t.data.shape)}
+                        for t in reader.tensors]}
+
+
+def read_tensor_index(path: str, entries: dict) -> TensorIndex:
+    """The `TensorIndex` of the GGUF file at `path` from its `tensor_index_entries`, the data memory-mapped."""
+    gguf = import_gguf()
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = []
+    for e in entries["tensors"]:
+        dtype = np.dtype(e["dtype"])
+        size = int(np.prod(e["data_shape"])) * dtype.itemsize
+        data = raw[e["offset"]: e["offset"] + size].view(dtype).reshape(e["data_shape"])
+        tensors.append(IndexedTensor(e["name"], gguf.GGMLQuantizationType(e["type"]), e["shape"], data))
+    return TensorIndex(entries["architecture"], tensors)

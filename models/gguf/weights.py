@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import torch
 
-from fastgen.models.gguf.metadata import Family, family_of
-from fastgen.models.gguf.reader import Metadata, check_tensor_types, open_gguf, tensor_values
+from fastgen.models.gguf.metadata import GGUF_FAMILIES, Family, family_of
+from fastgen.models.gguf.reader import Metadata, TensorIndex, check_tensor_types, open_gguf, tensor_values
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Rotary tables llama.cpp stores as tensors; `gguf_config_dict` turns them back into rope settings.
@@ -38,10 +38,14 @@ def iter_gguf_tensors(path: str, config: dict, reader=None) -> Iterator[tuple[st
     """`(HF name, fp32 tensor)` for each weight of the GGUF file at `path`, one tensor at a time.
 
     `config` is the file's config dict (`gguf_config_dict`, as saved); it gives the head counts the
-    Q/K un-permutation needs. Only one dequantized tensor is alive per step.
+    Q/K un-permutation needs. `reader`: an open `gguf.GGUFReader` or the file's `TensorIndex` (None opens a
+    reader). Only one dequantized tensor is alive per step.
     """
     reader = reader if reader is not None else open_gguf(path)
-    _, family = family_of(Metadata(reader, path))
+    if isinstance(reader, TensorIndex):  # checked by family_of when the index was written
+        family = GGUF_FAMILIES[reader.architecture]
+    else:
+        _, family = family_of(Metadata(reader, path))
     check_tensor_types(reader, path)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for tensor in reader.tensors:
