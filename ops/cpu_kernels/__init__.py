@@ -1,8 +1,9 @@
 """fastgen's own C++ CPU kernels: compiled at first use by torch's extension toolchain, cached under
 `$FASTGEN_CACHE`, one build per ISA variant picked at run time (`isa`), and the torch path wherever they
 cannot run. Today: paged attention of short queries (decode rows, verification rows) over the blocked
-KV cache, with the step's KV write (`decode`, `paged_decode.cpp`), and the LoRA delta of mixed-adapter rows
-(`lora`, `lora_delta.cpp`)."""
+KV cache, with the step's KV write (`decode`, `paged_decode.cpp`), the LoRA delta of mixed-adapter rows
+(`lora`, `lora_delta.cpp`), and products with int8 (Q8_0) and int4 weights whose x is quantized to int8 too,
+as llama.cpp computes them (`q8`, `q8_matmul.cpp`; `q4`, `q4_matmul.cpp`)."""
 
 from fastgen.ops.cpu_kernels.build import active_op, build_dir, kernel_op
 from fastgen.ops.cpu_kernels.decode import MAX_QUERY_LEN, KernelStep, plan_kernel_step
