@@ -28,7 +28,7 @@ SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("page
                                                                                "q8_matmul.cpp", "q4_matmul.cpp"))
 """The kernels' C++ sources, compiled into one library."""
 
-HEADERS = (os.path.join(os.path.dirname(__file__), "simd.h"),)
+HEADERS = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("simd.h", "int8_dot.h"))
 """Headers the sources include (part of the build's key)."""
 
 

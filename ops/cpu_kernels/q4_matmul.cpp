@@ -30,26 +30,13 @@
 
 namespace {
 
+#include "int8_dot.h"
+
 constexpr int64_t kChunk = 64;
 constexpr int kRows = 4;
 constexpr int64_t kTile = 32;
 // Fewest packed bytes a thread takes: below it, waking another thread costs more than it saves.
 constexpr int64_t kMinThreadBytes = 64 * 1024;
-
-inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // Row m of x, `k` values, quantized per group of `group`: scale = max |x| / 127 and q = round(x / scale) (to
 // nearest even, through the reciprocal), plus each group's scale times the sum of its q (for the min term).

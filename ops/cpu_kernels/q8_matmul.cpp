@@ -27,6 +27,8 @@
 
 namespace {
 
+#include "int8_dot.h"
+
 constexpr int64_t kBlock = 32;
 // Rows of x that share each load of W.
 constexpr int kRows = 4;
@@ -48,21 +50,8 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* scales) {
   }
 }
 
-// The eight int32 partial sums of a block's 32 products w[i] * x[i], given |w| and x with w's sign.
-inline __m256i block_dot(__m256i abs_w, __m256i signed_x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), abs_w, signed_x);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, signed_x), _mm256_set1_epi16(1));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+// The eight int32 partial sums of a block's 32 products w[i] * x[i], given |w| (at most 128) and x with w's sign.
+inline __m256i block_dot(__m256i abs_w, __m256i signed_x) { return dot_u8s8(_mm256_setzero_si256(), abs_w, signed_x); }
 
 struct Problem {
   int64_t k, n, blocks;
