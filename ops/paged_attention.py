@@ -170,10 +170,11 @@ def torch_paged_attention(
         chunks = [(s, starts[s], starts[s + 1], n) for s, n in enumerate(lens)
                   if n > 0 and starts[s + 1] - starts[s] > 1]
         plans["offsets"] = starts, single, chunks
-        plans["slots"] = kv_slots(slot_mapping, k_cache.shape[1])
     starts, single, chunks = plans["offsets"]
     block_size = k_cache.shape[1]
     if out is None:  # else the kernel wrote every token's K/V and attended the queries up to max_query_len
+        if "slots" not in plans:
+            plans["slots"] = kv_slots(slot_mapping, block_size)
         # Every token's K/V is written before any sequence attends: a sequence admitted with a prefix-cache
         # hit may read blocks that another sequence of the same step is filling right now.
         write_kv_cache(key, value, k_cache, v_cache, slot_mapping, plans["slots"])

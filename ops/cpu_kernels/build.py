@@ -16,6 +16,8 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -86,6 +88,23 @@ def kernel_op(name: str, isa: str) -> torch._ops.OpOverloadPacket | None:
     the source of that name), built or found in the cache on the first call of a process; None when it cannot
     be built."""
     return getattr(torch.ops.fastgen, f"{name}_{isa}") if _load_library(isa) else None
+
+
+def traced_op(name: str, fake: Callable[..., Any]) -> torch._ops.OpOverload | None:
+    """`fastgen::<name>_<isa>` of the variant this process runs now, with `fake` (its shape function)
+    registered so that a compiled graph records the C++ op itself; None where the kernels are off or
+    cannot be built."""
+    isa = cpu_kernel_isa()
+    return None if isa is None else _traced_op(name, isa, fake)
+
+
+@functools.cache
+def _traced_op(name: str, isa: str, fake: Callable[..., Any]) -> torch._ops.OpOverload | None:
+    op = kernel_op(name, isa)
+    if op is None:
+        return None
+    torch.library.register_fake(f"fastgen::{name}_{isa}", fake)
+    return op.default
 
 
 def active_op(name: str) -> torch._ops.OpOverloadPacket | None:

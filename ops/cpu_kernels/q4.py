@@ -8,12 +8,9 @@ int8 per weight group (scale = max |x| / 127, as llama.cpp's Q8 activations) and
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from fastgen.ops.cpu_kernels.build import kernel_op
-from fastgen.ops.cpu_kernels.isa import cpu_kernel_isa
+from fastgen.ops.cpu_kernels.build import traced_op
 
 CHUNK = 64
 """Inputs per 32 packed bytes: the kernel takes group sizes that are a multiple of this."""
@@ -55,22 +52,12 @@ def dequantize_q4(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: 
     return ((q.view(n, k // group_size, group_size) - 8) * scales[..., None] + zeros[..., None]).view(n, k)
 
 
+def _q4_matmul_fake(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], packed.shape[0]))
+
+
 def q4_matmul_op() -> torch._ops.OpOverload | None:
     """`fastgen::q4_matmul_<isa>` (x `[M, K]`, packed `[N, K / 2]`, scales_zeros `[N, K / group, 2]`, group)
-    -> `[M, N]` in x's dtype, of the variant this process runs now, with its shape function registered so a
-    compiled layer calls it directly; None where the kernels are off or could not be built."""
-    isa = cpu_kernel_isa()
-    return None if isa is None else _q4_matmul_op(isa)
-
-
-@functools.cache
-def _q4_matmul_op(isa: str) -> torch._ops.OpOverload | None:
-    op = kernel_op("q4_matmul", isa)
-    if op is None:
-        return None
-
-    def fake(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], packed.shape[0]))
-
-    torch.library.register_fake(f"fastgen::q4_matmul_{isa}", fake)
-    return op.default
+    -> `[M, N]` in x's dtype, of the variant this process runs now, traceable by a compiled layer; None where
+    the kernels are off or could not be built."""
+    return traced_op("q4_matmul", _q4_matmul_fake)

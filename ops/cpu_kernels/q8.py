@@ -7,12 +7,9 @@ head, in Q8_0). The kernel quantizes each row of x to Q8_0 too and sums int8 pro
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from fastgen.ops.cpu_kernels.build import active_op, kernel_op
-from fastgen.ops.cpu_kernels.isa import cpu_kernel_isa
+from fastgen.ops.cpu_kernels.build import active_op, traced_op
 
 BLOCK = 32
 """Values per Q8_0 block (one scale each)."""
@@ -48,18 +45,11 @@ def cpu_q8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -
     return out
 
 
+def _q8_matmul_fake(out: torch.Tensor, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
+    return None
+
+
 def q8_matmul_op() -> torch._ops.OpOverload | None:
     """`fastgen::q8_matmul_<isa>` (out `[M, N]` fp32, written; x `[M, K]`; values; scales) of the variant this
-    process runs now, with its shape function registered so a compiled layer calls it directly; None where
-    the kernels are off or could not be built."""
-    isa = cpu_kernel_isa()
-    return None if isa is None else _q8_matmul_op(isa)
-
-
-@functools.cache
-def _q8_matmul_op(isa: str) -> torch._ops.OpOverload | None:
-    op = kernel_op("q8_matmul", isa)
-    if op is None:
-        return None
-    torch.library.register_fake(f"fastgen::q8_matmul_{isa}", lambda out, x, values, scales: None)
-    return op.default
+    process runs now, traceable by a compiled layer; None where the kernels are off or could not be built."""
+    return traced_op("q8_matmul", _q8_matmul_fake)
