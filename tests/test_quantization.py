@@ -226,6 +226,15 @@ def test_policy_quantizes_only_when_nothing_else_fits(one_b):
         make_plan(one_b, _cpu(0.5), offload="none")  # it would stream otherwise (tests/test_offload.py)
     # The user wins both ways, and a refusal to quantize is the old error.
     assert make_plan(one_b, _cpu(24), quantization="int4").reasons["quantization"].startswith("set by the user")
+    # ... and names the kernel its int4 linears run: fastgen's where it can build (groups of whole 64-input
+    # chunks), torch's otherwise, saying why.
+    from fastgen.planning.hardware import cpu_kernel_blocker
+    blocker = cpu_kernel_blocker(_cpu(24))
+    reason = make_plan(one_b, _cpu(24), quantization="int4").reasons["quantization"]
+    assert ("int4 linears on fastgen's C++ kernel" in reason) == (blocker is None)
+    reason = make_plan(one_b, _cpu(24), quantization="int4", quantization_group_size=32).reasons["quantization"]
+    assert "int4 linears on torch's int4 kernel" in reason
+    assert (blocker or "the group size 32 is not a multiple of its 64-input chunks") in reason
     with pytest.raises(ValueError, match="model too large"):
         make_plan(one_b, _cpu(1), quantization="none", offload="none")
 
