@@ -102,6 +102,7 @@ if TYPE_CHECKING:
         weight_prepack: bool | None = None
         gemv_weights: bool | None = None
         lm_head_quantization: str | None = None
+        decode_layer_kernel: bool | None = None
         tensor_parallel: int | None = None
         replica_num: int | None = None
         speculative_config: SpeculativeConfig | dict | str | None = None

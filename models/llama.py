@@ -16,9 +16,11 @@ from torch import nn
 
 from fastgen.models.attention import Attention, KVCache
 from fastgen.models.config import ModelConfig
+from fastgen.models.decode_layer import pre_norm_decode_weights
 from fastgen.models.decoder import DecoderLM
 from fastgen.models.layers import GATE_UP_PACKING, GatedMLP, QKV_PACKING, RMSNorm
 from fastgen.ops import AttentionMetadata
+from fastgen.ops.cpu_kernels.decode_layer import DecodeLayerWeights
 
 
 def rope_layers(config: ModelConfig) -> list[bool]:
@@ -72,6 +74,13 @@ class LlamaDecoderLayer(nn.Module):
         """Run one layer over the flat batch."""
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata, kv_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def decode_layer_weights(self) -> DecodeLayerWeights | str:
+        """This layer's arguments of the C++ decode-layer op, or why it cannot run it (a family that changes
+        `forward`, or whose attention or MLP is another shape)."""
+        if type(self).forward is not LlamaDecoderLayer.forward:
+            return f"{type(self).__name__} has its own forward"
+        return pre_norm_decode_weights(self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -27,6 +27,7 @@ from fastgen.models.parallel import SINGLE, TensorParallel
 from fastgen.models.q8_head import quantize_lm_head
 from fastgen.models.registry import get_model_class
 from fastgen.executor.compiled_layers import CompiledLayers
+from fastgen.executor.decode_layers import install_decode_layers
 from fastgen.executor.host_allocator import keep_host_temporaries
 from fastgen.executor.offload import STREAMER_ATTR, install_offload, new_streamer
 from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, StepTensors, pick_bucket
@@ -150,6 +151,8 @@ class ModelRunner:
         """The decoder layers' compiled graphs (None: compile is off)."""
         if compile != "off":
             self._compile_layers(compile)
+        if plan.decode_layer_kernel and device.type == "cpu":  # in front of the compiled dispatch
+            install_decode_layers(decoder_layers(model))
         if compile != "off" or cuda_graphs:
             self._warm_up(progress)
         elif device.type == "cpu" and attention_backend != "triton":  # the interpreter takes no padding step

@@ -1,9 +1,11 @@
-"""Which of fastgen's C++ CPU kernels a plan runs, and why: the paged attention backend and the int4 linears."""
+"""Which of fastgen's C++ CPU kernels a plan runs, and why: the paged attention backend, the int4 linears and
+the decode-layer op."""
 
 from __future__ import annotations
 
 from fastgen.ops.cpu_kernels import (ENV_VAR, ISA_NOTES, MAX_QUERY_LEN, build_dir, isas_from_flags, pick_isa,
                                      requested_isa)
+from fastgen.ops.cpu_kernels.decode_layer import MAX_ROWS
 from fastgen.ops.cpu_kernels.q4 import CHUNK
 from fastgen.planning.hardware import Hardware, cpu_kernel_blocker
 
@@ -33,3 +35,29 @@ def int4_kernel_reason(hw: Hardware, group_size: int) -> str:
                 "batch-1 decode: 70-78 -> 97-101 tok/s against torch's int4 kernel)")
     why = blocker or f"the group size {group_size} is not a multiple of its {CHUNK}-input chunks"
     return f"int4 linears on torch's int4 kernel: fastgen's C++ one cannot run ({why})"
+
+
+def decode_layer_blocker(attention: str, quantization: str, tensor_parallel: int, offload: str,
+                         enable_lora: bool) -> str | None:
+    """Why a plan cannot run its decoder layers on the C++ decode-layer op (None: it can)."""
+    if attention != "cpu":
+        return f"the op attends through fastgen's C++ CPU attention kernel, and the backend is {attention!r}"
+    if quantization == "none":
+        return "the op multiplies int4/int8 linears on fastgen's kernels, and this plan's linears are not quantized"
+    if tensor_parallel > 1:
+        return "the op runs a whole layer on one rank, and the plan splits layers over tensor-parallel ranks"
+    if offload != "none":
+        return "the op reads resident weights, and the plan streams layers from offload"
+    if enable_lora:
+        return "the op has no LoRA adapters"
+    return None
+
+
+def choose_decode_layer_kernel(blocker: str | None) -> tuple[bool, str]:
+    """The policy's `decode_layer_kernel` for a plan whose `decode_layer_blocker` is `blocker`, with the reason."""
+    if blocker is not None:
+        return False, f"off: {blocker}"
+    return True, (f"steps of at most {MAX_ROWS} tokens whose rows the C++ attention kernel serves run each decoder "
+                  "layer as one C++ call (the same kernels, no Python between them): at batch 1 the Python around a "
+                  "layer's kernels costs as much as the kernels (2-core EPYC, SmolLM2-135M int4 decode: 300 us a "
+                  "layer compiled); larger steps, and layers of another shape, keep the compiled forward")

@@ -27,7 +27,8 @@ from fastgen.ops.cpu_kernels.isa import ISA_FLAGS, cpu_kernel_isa
 logger = logging.getLogger("fastgen")
 
 SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("paged_decode.cpp", "lora_delta.cpp",
-                                                                               "q8_matmul.cpp", "q4_matmul.cpp"))
+                                                                               "q8_matmul.cpp", "q4_matmul.cpp",
+                                                                               "decode_layer.cpp"))
 """The kernels' C++ sources, compiled into one library."""
 
 HEADERS = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("simd.h", "int8_dot.h"))
@@ -84,7 +85,8 @@ def _load_library(isa: str) -> bool:
 
 @functools.cache
 def kernel_op(name: str, isa: str) -> torch._ops.OpOverloadPacket | None:
-    """`fastgen::<name>_<isa>`, one of the library's ops (`paged_decode`, `lora_delta`, `q8_matmul`, `q4_matmul`:
+    """`fastgen::<name>_<isa>`, one of the library's ops (`paged_decode`, `lora_delta`, `q8_matmul`, `q4_matmul`,
+    `decode_layer`:
     the source of that name), built or found in the cache on the first call of a process; None when it cannot
     be built."""
     return getattr(torch.ops.fastgen, f"{name}_{isa}") if _load_library(isa) else None

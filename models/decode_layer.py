@@ -1,0 +1,72 @@
+"""Whether a pre-norm gated-MLP block can run as the C++ decode layer (`fastgen.ops.cpu_kernels.decode_layer`),
+and its fixed arguments where it can.
+
+The op computes exactly one block shape: `h + attn(norm1(h))`, then `+ down(silu(gate) * up)(norm2(.))`, with
+RMSNorms, a merged q/k/v without biases, q/k norms or query prescaling, NeoX rotary from one cos/sin cache (or
+none), and every linear on fastgen's int4 or Q8_0 CPU kernel on one rank. Anything else (another norm or
+activation, a bias, LoRA, tensor parallelism, LongRoPE's two factor sets, torch's int4 kernel) keeps the layer's
+own forward; the reason says which part.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from fastgen.models.attention import Attention
+from fastgen.models.layers import GatedMLP, RMSNorm
+from fastgen.models.quant import QuantizedLinear
+from fastgen.models.rope import RotaryEmbedding
+from fastgen.ops.cpu_kernels.decode_layer import Q8_0_KIND, DecodeLayerWeights
+
+_KINDS = {"int4_q4": None, "int8_q8_0": Q8_0_KIND}
+"""`QuantizedLinear.kernel`s the op multiplies (int4: its group size is the kind)."""
+
+
+def _linear(name: str, linear: nn.Module) -> tuple[tuple, int] | str:
+    """(its two weight tensors, its kind) or why the op cannot multiply it."""
+    if type(linear) is not QuantizedLinear:
+        return f"{name} is a {type(linear).__name__}, not an int4/int8 linear on fastgen's C++ kernel"
+    if linear.kernel not in _KINDS:
+        return f"{name} runs the {linear.kernel or 'unloaded'} kernel, not fastgen's int4 or Q8_0 one"
+    if linear.bias is not None or linear.tp.size > 1:
+        return f"{name} has a bias or is split over tensor-parallel ranks"
+    if linear.kernel == "int8_q8_0":
+        return (linear.qweight, linear.scales), Q8_0_KIND
+    return (linear.qweight, linear.scales_zeros), linear.group_size
+
+
+def pre_norm_decode_weights(input_norm: nn.Module, attn: nn.Module, post_norm: nn.Module,
+                            mlp: nn.Module) -> DecodeLayerWeights | str:
+    """The op's arguments for the block `h + attn(input_norm(h))`, then `+ mlp(post_norm(.))`, or why it
+    cannot run it."""
+    for name, norm in (("input norm", input_norm), ("post-attention norm", post_norm)):
+        if type(norm) is not RMSNorm:
+            return f"the {name} is a {type(norm).__name__}, not an RMSNorm"
+    if input_norm.eps != post_norm.eps:
+        return "the two norms have different epsilons"
+    if type(attn) is not Attention or attn.head_norm or attn.full_norm or attn.prescale_query:
+        return "the attention has q/k norms, query prescaling or another shape"
+    if type(mlp) is not GatedMLP or mlp.act is not F.silu:
+        return "the MLP is not a SiLU-gated one"
+    rotary = attn._rotary[0]
+    if rotary is not None and (type(rotary) is not RotaryEmbedding or rotary.original_max is not None):
+        return "the rotary embedding has LongRoPE's two factor sets or another form"
+    weights, kinds = [input_norm.weight], []
+    for name, linear in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj)):
+        got = _linear(name, linear)
+        if isinstance(got, str):
+            return got
+        weights += got[0]
+        kinds.append(got[1])
+    weights.append(post_norm.weight)
+    for name, linear in (("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)):
+        got = _linear(name, linear)
+        if isinstance(got, str):
+            return got
+        weights += got[0]
+        kinds.append(got[1])
+    return DecodeLayerWeights(
+        weights=tuple(weights), kinds=tuple(kinds), cos_sin=None if rotary is None else rotary.cos_sin_cache.float(),
+        num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, eps=float(input_norm.eps),
+        scale=float(attn.scale), sliding_window=int(attn.sliding_window or 0), softcap=float(attn.softcap))

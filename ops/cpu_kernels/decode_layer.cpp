@@ -1,0 +1,229 @@
+// One pre-norm decoder layer (RMSNorm, merged q/k/v, rotary, paged attention, output projection, residual,
+// RMSNorm, merged gate/up, SiLU-and-mul, down projection, residual) as one call, for steps of few rows.
+//
+// At batch 1 a layer's kernels take ~130 us and the compiled graph that calls them as much again in Python: its
+// guards, its size arguments and Inductor's wrapper (2-core EPYC, SmolLM2-135M int4: 300 us a layer, 30 layers a
+// token). Here the same kernels (q4_matmul / q8_matmul for the linears, paged_decode for the attention and its
+// KV write) are called from C++ through torch's dispatcher, and the glue between them is plain loops. Each
+// rounding to the activations' dtype happens where the layer's torch forward rounds (RMSNorm's cast before its
+// weight, the rotary's products and sum, SiLU before the product), so the result is the eager layer's to within
+// the order of fp32 sums.
+//
+// Linear "kinds": a positive kind is an int4 linear of that group size (packed, scales_zeros), 0 a Q8_0 one
+// (values, scales). Built once per ISA variant with the other kernels (ops/cpu_kernels/isa.py).
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+#define FASTGEN_STR2(x) #x
+#define FASTGEN_STR(x) FASTGEN_STR2(x)
+#define FASTGEN_OP_NAME(name) "fastgen::" name "_" FASTGEN_STR(FASTGEN_ISA)
+
+namespace {
+
+using Q4Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+using Q8Fn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, double, int64_t, double, const std::optional<at::Tensor>&, int64_t,
+                               int64_t);
+
+// The sibling kernels of this variant, looked up once (they register with this library).
+const c10::TypedOperatorHandle<Q4Fn>& q4_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(FASTGEN_OP_NAME("q4_matmul"), "").typed<Q4Fn>();
+  return op;
+}
+const c10::TypedOperatorHandle<Q8Fn>& q8_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(FASTGEN_OP_NAME("q8_matmul"), "").typed<Q8Fn>();
+  return op;
+}
+const c10::TypedOperatorHandle<AttentionFn>& attention_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(FASTGEN_OP_NAME("paged_decode"), "").typed<AttentionFn>();
+  return op;
+}
+
+// v rounded to T and back: where the torch forward stores an intermediate in the activations' dtype.
+template <typename T>
+inline float rnd(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// x @ W^T `[M, N]` in x's dtype for a linear of `kind` whose weight is the pair (a, b).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, int64_t kind) {
+  if (kind > 0) return q4_op().call(x, a, b, kind);
+  at::Tensor out = at::empty({x.size(0), a.size(0)}, x.options().dtype(at::kFloat));
+  q8_op().call(out, x, a, b);
+  return out.to(x.scalar_type());
+}
+
+// HF's RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, rounded to T, times the weight (rounded to T).
+template <typename T>
+at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& weight, double eps) {
+  const int64_t rows = h.size(0), dim = h.size(1);
+  at::Tensor out = at::empty_like(h);
+  const T* src = h.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* x = src + m * dim;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+    const float r = 1.0f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
+    for (int64_t i = 0; i < dim; ++i) {
+      dst[m * dim + i] = static_cast<T>(rnd<T>(static_cast<float>(x[i]) * r) * static_cast<float>(w[i]));
+    }
+  }
+  return out;
+}
+
+// Heads `heads` of row m of `src` (stride `row` elements) rotated NeoX-style by position `pos` into `dst`
+// (contiguous `[heads, D]`): with half = rotary_dim / 2, [x1 c - x2 s, x2 c + x1 s] over the first rotary_dim
+// elements, each product and the sum rounded to T as torch's rotate-half does, the rest copied.
+template <typename T>
+void rotate(const T* src, T* dst, int64_t heads, int64_t dim, const float* cos_sin, int64_t rotary_dim) {
+  const int64_t half = rotary_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* x = src + h * dim;
+    T* y = dst + h * dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float c = rnd<T>(cos_sin[i]), s = rnd<T>(cos_sin[half + i]);
+      const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
+      y[i] = static_cast<T>(rnd<T>(x1 * c) + rnd<T>(-x2 * s));
+      y[half + i] = static_cast<T>(rnd<T>(x2 * c) + rnd<T>(x1 * s));
+    }
+    for (int64_t i = rotary_dim; i < dim; ++i) y[i] = x[i];
+  }
+}
+
+template <typename T>
+at::Tensor run(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& cos_sin,
+               at::TensorList weights, at::IntArrayRef kinds, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+               const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+               double scale, int64_t sliding_window, double softcap, int64_t max_query_len) {
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const at::Tensor h = hidden.contiguous();
+
+  const at::Tensor qkv = linear(rms_norm<T>(h, weights[0], eps), weights[1], weights[2], kinds[0]);
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "qkv_proj gives ", qkv.size(1), " columns, the heads need ",
+              q_size + 2 * kv_size);
+  at::Tensor q = at::empty({rows, num_heads, head_dim}, h.options());
+  at::Tensor k = at::empty({rows, num_kv_heads, head_dim}, h.options());
+  const int64_t rotary_dim = cos_sin.defined() ? cos_sin.size(1) : 0;
+  const T* qkv_p = qkv.data_ptr<T>();
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* row = qkv_p + m * qkv.stride(0);
+    T* qm = q.data_ptr<T>() + m * q_size;
+    T* km = k.data_ptr<T>() + m * kv_size;
+    if (rotary_dim > 0) {
+      const int64_t pos = positions.data_ptr<int64_t>()[m];
+      TORCH_CHECK(pos >= 0 && pos < cos_sin.size(0), "position ", pos, " is beyond the rotary cache's ",
+                  cos_sin.size(0));
+      const float* cs = cos_sin.data_ptr<float>() + pos * rotary_dim;
+      rotate<T>(row, qm, num_heads, head_dim, cs, rotary_dim);
+      rotate<T>(row + q_size, km, num_kv_heads, head_dim, cs, rotary_dim);
+    } else {
+      std::copy(row, row + q_size, qm);
+      std::copy(row + q_size, row + q_size + kv_size, km);
+    }
+  }
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
+  const at::Tensor attended =
+      attention_op().call(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                          sliding_window, softcap, std::nullopt, 0, max_query_len);
+  TORCH_CHECK(attended.defined(), "the paged decode kernel does not take this layer's tensors");
+  const at::Tensor o = linear(attended.view({rows, q_size}), weights[3], weights[4], kinds[1]);
+
+  // The residual stream after attention, rounded to T as the layer's `hidden + attn` is.
+  at::Tensor out = at::empty_like(h);
+  const T* hp = h.data_ptr<T>();
+  const T* op = o.data_ptr<T>();
+  T* outp = out.data_ptr<T>();
+  for (int64_t i = 0; i < rows * width; ++i) outp[i] = static_cast<T>(static_cast<float>(hp[i]) + static_cast<float>(op[i]));
+
+  const at::Tensor gate_up = linear(rms_norm<T>(out, weights[5], eps), weights[6], weights[7], kinds[2]);
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor act = at::empty({rows, inter}, h.options());
+  const T* gu = gate_up.data_ptr<T>();
+  T* ap = act.data_ptr<T>();
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t i = 0; i < inter; ++i) {
+      const float g = static_cast<float>(gu[m * 2 * inter + i]);
+      ap[m * inter + i] =
+          static_cast<T>(rnd<T>(g / (1.0f + std::exp(-g))) * static_cast<float>(gu[m * 2 * inter + inter + i]));
+    }
+  }
+  const at::Tensor down = linear(act, weights[8], weights[9], kinds[3]);
+  const T* dp = down.data_ptr<T>();
+  for (int64_t i = 0; i < rows * width; ++i) outp[i] = static_cast<T>(static_cast<float>(outp[i]) + static_cast<float>(dp[i]));
+  return out;
+}
+
+// The op. weights: input_layernorm.weight, qkv_proj (2 tensors), o_proj (2), post_attention_layernorm.weight,
+// gate_up_proj (2), down_proj (2); kinds: one per linear (int4 group size, or 0 for Q8_0). cos_sin: the rotary
+// cache `[positions, rotary_dim]` fp32 (cos then sin), undefined for a layer without rotary. The attention
+// arguments are fastgen::paged_attention's; every sequence of the step must have at most `max_query_len`
+// query tokens (the kernel attends only those).
+at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, const std::optional<at::Tensor>& cos_sin,
+                        at::TensorList weights, at::IntArrayRef kinds, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t sliding_window,
+                        double softcap, int64_t max_query_len) {
+  TORCH_CHECK(hidden.dim() == 2 && weights.size() == 10 && kinds.size() == 4,
+              "hidden [T, H], 10 weight tensors and 4 linear kinds");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == hidden.size(0),
+              "positions must be contiguous int64, one per row");
+  const at::Tensor cs = cos_sin.has_value() ? cos_sin->contiguous() : at::Tensor();
+  TORCH_CHECK(!cs.defined() || (cs.scalar_type() == at::kFloat && cs.dim() == 2 && cs.size(1) % 2 == 0 &&
+                                cs.size(1) <= head_dim),
+              "cos_sin must be fp32 [positions, even rotary_dim <= head_dim]");
+  for (const int64_t i : {0, 5}) {
+    TORCH_CHECK(weights[i].scalar_type() == hidden.scalar_type() && weights[i].is_contiguous() &&
+                    weights[i].numel() == hidden.size(1),
+                "the norms' weights must be contiguous, of hidden's dtype and width");
+  }
+  switch (hidden.scalar_type()) {
+    case at::kFloat:
+      return run<float>(hidden, positions, cs, weights, kinds, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                        query_start_loc, num_heads, num_kv_heads, head_dim, eps, scale, sliding_window, softcap,
+                        max_query_len);
+    case at::kBFloat16:
+      return run<c10::BFloat16>(hidden, positions, cs, weights, kinds, k_cache, v_cache, slot_mapping, block_tables,
+                                seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, eps, scale,
+                                sliding_window, softcap, max_query_len);
+    case at::kHalf:
+      return run<c10::Half>(hidden, positions, cs, weights, kinds, k_cache, v_cache, slot_mapping, block_tables,
+                            seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, eps, scale, sliding_window,
+                            softcap, max_query_len);
+    default: TORCH_CHECK(false, "unsupported dtype ", hidden.scalar_type());
+  }
+}
+
+}  // namespace
+
+#define FASTGEN_DECODE_LAYER_OP "decode_layer_" FASTGEN_STR(FASTGEN_ISA)
+
+TORCH_LIBRARY_FRAGMENT(fastgen, m) {
+  m.def(FASTGEN_DECODE_LAYER_OP
+        "(Tensor hidden, Tensor positions, Tensor? cos_sin, Tensor[] weights, int[] kinds, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int sliding_window, float softcap, "
+        "int max_query_len) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastgen, CPU, m) { m.impl(FASTGEN_DECODE_LAYER_OP, &decode_layer); }
