@@ -35,20 +35,26 @@ def _oracle(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, g
 
 
 def test_layout_round_trips():
-    q = torch.randint(0, 16, (48, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    packed, scales_zeros = pack_q4(q, torch.ones(48, 2), torch.zeros(48, 2))
-    assert packed.shape == (48, 128) and scales_zeros.shape == (48, 2, 2)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (48, 256), dtype=torch.uint8, generator=generator)
+    scales, zeros = torch.randn(48, 2, generator=generator), torch.randn(48, 2, generator=generator)
+    packed, scales_zeros = pack_q4(q, scales, zeros)
+    assert packed.shape == (3, 2048) and scales_zeros.shape == (3, 2, 2, 16)
     assert torch.equal(unpack_q4(packed), q)
-    # byte j of a 64-input chunk: input j low, input j + 32 high
+    # tile t, chunk c, sub-block b, column j, byte i: input 64c + 4b + i low, + 32 high, of column 16t + j
     assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 32]) << 4
-    assert int(packed[3, 33]) == int(q[3, 65]) | int(q[3, 97]) << 4
+    at = 1 * 512 + 2 * 64 + 5 * 4 + 3  # chunk 1, b 2, column 5, byte 3
+    assert int(packed[1, at]) == int(q[21, 64 + 8 + 3]) | int(q[21, 64 + 32 + 8 + 3]) << 4
+    assert scales_zeros[2, 1, 0, 7] == scales[39, 1] and scales_zeros[2, 1, 1, 7] == zeros[39, 1]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pack_q4(q[:40], scales[:40], zeros[:40])
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_kernel_equals_float64_oracle(isa, dtype, monkeypatch):
     """Every ISA variant this CPU runs, in each dtype, over 1..9 rows (the 4-row groups and every remainder),
-    output widths that are no multiple of the 32-column tile, group sizes 64 to 256 and zero groups in x and W."""
+    one to many 16-column tiles, group sizes 64 to 256 and zero groups in x and W."""
     if isa not in supported_isas():
         pytest.skip(f"this CPU does not run {isa}")
     monkeypatch.setenv(ENV_VAR, isa)
@@ -56,8 +62,8 @@ def test_kernel_equals_float64_oracle(isa, dtype, monkeypatch):
         pytest.skip("the C++ CPU kernels cannot be built here")
     op = q4_matmul_op()
     generator = torch.Generator().manual_seed(1)
-    for rows, k, n, group in ((1, 64, 37, 64), (3, 576, 301, 64), (4, 1536, 64, 128), (9, 512, 97, 256),
-                              (5, 384, 16, 128)):
+    for rows, k, n, group in ((1, 64, 48, 64), (3, 576, 304, 64), (4, 1536, 64, 128), (9, 512, 96, 256),
+                              (5, 384, 16, 128), (2, 128, 3072, 64)):
         _, _, packed, scales_zeros = _packed(n, k, group, dtype, generator)
         x = (torch.randn(rows, k, generator=generator) * 3).to(dtype)
         x[0, -group:] = 0

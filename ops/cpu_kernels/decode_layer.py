@@ -19,7 +19,7 @@ from fastgen.ops.cpu_kernels.decode import KernelStep
 
 Q8_0_KIND = 0
 """The kind of a Q8_0 linear (values int8 `[N, K]`, fp16 scales `[N, K / 32]`); an int4 linear's kind is its
-group size (packed `[N, K / 2]`, scales_zeros `[N, K / group, 2]`, `fastgen.ops.cpu_kernels.q4`)."""
+group size (packed and scales_zeros in `fastgen.ops.cpu_kernels.q4`'s layout)."""
 
 MAX_ROWS = 16
 """Most tokens in a step the layer op takes: decode steps of up to that many sequences, verification rows,

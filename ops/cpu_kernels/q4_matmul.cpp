@@ -2,16 +2,18 @@
 // of x quantized to int8 per weight group first, as llama.cpp multiplies its Q4 blocks: every product is an
 // integer one and a group's two scales are applied once to its integer sum. A decode step's linears are bound
 // by reading their weights, and torch's int4 kernel is not: it widens every nibble to fp32 and multiplies in
-// fp32, ~3 weights a cycle on a 2-core EPYC (SmolLM2-135M: ~11 GB/s of a ~28 GB/s read rate). Here a 32-byte
-// load of W is 64 weights: two masks, a shift and two u8 x s8 dot products (one VNNI instruction each, or
-// AVX2's maddubs and madd: 2 x 15 x 127 fits an int16).
+// fp32, ~3 weights a cycle on a 2-core EPYC (SmolLM2-135M: ~11 GB/s of a ~28 GB/s read rate).
 //
-// Layout (`ops/cpu_kernels/q4.py` packs it): W row n is K / 2 bytes; byte j of each 64-input chunk holds
-// input j in its low nibble and input j + 32 in its high one. scales_zeros `[N, groups, 2]` holds each group's
-// scale and zero (w = (q - 8) * scale + zero, so min = zero - 8 * scale) in x's dtype.
+// Layout (`ops/cpu_kernels/q4.py` packs it): output columns in tiles of 16, each tile's weights interleaved so
+// that one 64-byte load holds 4 bytes of each of its 16 columns. Within a 64-input chunk, sub-block b (0..7) is
+// 64 bytes: column j's 4 bytes hold inputs 4b..4b+3 in their low nibbles and inputs 32+4b..32+4b+3 in their high
+// ones. A u8 x s8 dot product of such a load against x's 4 matching inputs (broadcast) leaves each column's sum
+// in its own int32 lane: no horizontal sums, and a group's scales are applied to 16 columns in one vector, read
+// from scales_zeros `[N / 16, groups, 2, 16]` (each group's 16 scales, then its 16 zeros, w = (q - 8) * scale +
+// zero) in x's dtype. A row-per-column layout did ~10 cycles of scalar scale work per 32 bytes and ran at ~11
+// GB/s; this one runs the same linears at the read rate.
 //
-// Rows of x are taken four at a time, so each load of W serves all of them, and output columns in tiles of
-// 32, whose packed rows stay in cache while every group of four rows passes; the tiles are split over torch's
+// Rows of x are taken four at a time, so each load of W serves all of them; the tiles are split over torch's
 // threads. Built once per ISA variant with the other kernels (ops/cpu_kernels/isa.py names the flags).
 
 #include <ATen/Parallel.h>
@@ -26,17 +28,47 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 #include "int8_dot.h"
+#include "simd.h"
 
 constexpr int64_t kChunk = 64;
 constexpr int kRows = 4;
-constexpr int64_t kTile = 32;
+constexpr int64_t kTileCols = 16;
+constexpr int kVectors = kTileCols / W;  // int32 vectors across a tile's columns (AVX512: 1, AVX2: 2)
+constexpr int64_t kChunkBytes = kChunk / 2 * kTileCols;  // one chunk of one tile
 // Fewest packed bytes a thread takes: below it, waking another thread costs more than it saves.
 constexpr int64_t kMinThreadBytes = 64 * 1024;
+
+#if defined(__AVX512F__)
+using vi = __m512i;
+inline vi vi_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline vi vi_zero() { return _mm512_setzero_si512(); }
+inline vi low_nibbles(vi p) { return _mm512_and_si512(p, _mm512_set1_epi8(0x0F)); }
+inline vi high_nibbles(vi p) { return _mm512_and_si512(_mm512_srli_epi16(p, 4), _mm512_set1_epi8(0x0F)); }
+inline vi broadcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+inline vf sum_to_float(vi a, vi b) { return _mm512_cvtepi32_ps(_mm512_add_epi32(a, b)); }
+#else
+using vi = __m256i;
+inline vi vi_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi vi_zero() { return _mm256_setzero_si256(); }
+inline vi low_nibbles(vi p) { return _mm256_and_si256(p, _mm256_set1_epi8(0x0F)); }
+inline vi high_nibbles(vi p) { return _mm256_and_si256(_mm256_srli_epi16(p, 4), _mm256_set1_epi8(0x0F)); }
+inline vi broadcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+inline vf sum_to_float(vi a, vi b) { return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b)); }
+#endif
 
 // Row m of x, `k` values, quantized per group of `group`: scale = max |x| / 127 and q = round(x / scale) (to
 // nearest even, through the reciprocal), plus each group's scale times the sum of its q (for the min term).
@@ -65,69 +97,64 @@ struct Problem {
   const int8_t* xq;          // [M, K]
   const float* xs;           // [M, groups]: each group's scale
   const float* xsums;        // [M, groups]: scale x sum of q
-  const uint8_t* w;          // [N, K / 2]
-  const T* scales_zeros;     // [N, groups, 2]
+  const uint8_t* w;          // [N / 16, K * 8]
+  const T* scales_zeros;     // [N / 16, groups, 2, 16]
   T* out;                    // [M, N]
   int64_t n;
 };
 
-// Output column n for R rows of x starting at row m.
+// The 16 output columns of tile `tile` for R rows of x starting at row m.
 template <int R, typename T>
-void column(const Problem<T>& p, int64_t m, int64_t n) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const uint8_t* w = p.w + n * (p.k / 2);
-  const T* sz = p.scales_zeros + n * p.groups * 2;
+void tile_rows(const Problem<T>& p, int64_t m, int64_t tile) {
+  const uint8_t* w = p.w + tile * p.k * (kTileCols / 2);
+  const T* sz = p.scales_zeros + tile * p.groups * 2 * kTileCols;
   const int64_t chunks = p.group / kChunk;
-  __m256 acc[R];
-  float mins[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    mins[r] = 0.0f;
-  }
+  vf acc[R][kVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = vzero();
   for (int64_t g = 0; g < p.groups; ++g) {
-    __m256i low_sum[R], high_sum[R];
-    for (int r = 0; r < R; ++r) low_sum[r] = high_sum[r] = _mm256_setzero_si256();
+    // Low and high nibbles in separate sums: two dependency chains per row and vector.
+    vi low_sum[R][kVectors], high_sum[R][kVectors];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVectors; ++v) low_sum[r][v] = high_sum[r][v] = vi_zero();
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t at = (g * chunks + c) * kChunk;
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + at / 2));
-      const __m256i low = _mm256_and_si256(packed, mask);
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = p.xq + (m + r) * p.k + at;
-        low_sum[r] = dot_u8s8(low_sum[r], low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-        high_sum[r] = dot_u8s8(high_sum[r], high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
+      const int64_t chunk = g * chunks + c;
+      const uint8_t* wc = w + chunk * kChunkBytes;
+      for (int b = 0; b < 8; ++b) {
+        vi low[kVectors], high[kVectors];
+        for (int v = 0; v < kVectors; ++v) {
+          const vi packed = vi_load(wc + b * 4 * kTileCols + v * 4 * W);
+          low[v] = low_nibbles(packed);
+          high[v] = high_nibbles(packed);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = p.xq + (m + r) * p.k + chunk * kChunk + 4 * b;
+          const vi x_low = broadcast4(x), x_high = broadcast4(x + kChunk / 2);
+          for (int v = 0; v < kVectors; ++v) {
+            low_sum[r][v] = dot_u8s8(low_sum[r][v], low[v], x_low);
+            high_sum[r][v] = dot_u8s8(high_sum[r][v], high[v], x_high);
+          }
+        }
       }
     }
-    const float scale = static_cast<float>(sz[2 * g]);
-    const float min = static_cast<float>(sz[2 * g + 1]) - 8.0f * scale;
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (m + r) * p.groups + g;
-      const __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(low_sum[r], high_sum[r]));
-      acc[r] = _mm256_fmadd_ps(sum, _mm256_set1_ps(scale * p.xs[at]), acc[r]);
-      mins[r] += min * p.xsums[at];
+    const T* scales = sz + g * 2 * kTileCols;
+    for (int v = 0; v < kVectors; ++v) {
+      const vf scale = vload(scales + v * W);
+      const vf min = vfnma(vset(8.0f), scale, vload(scales + kTileCols + v * W));  // zero - 8 * scale
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m + r) * p.groups + g;
+        acc[r][v] = vfma(sum_to_float(low_sum[r][v], high_sum[r][v]), vmul(scale, vset(p.xs[at])), acc[r][v]);
+        acc[r][v] = vfma(min, vset(p.xsums[at]), acc[r][v]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    p.out[(m + r) * p.n + n] = static_cast<T>(hsum(acc[r]) + mins[r]);
-  }
-}
-
-// Columns lo..hi of rows m..m + count (count <= kRows) of x.
-template <typename T>
-void columns(const Problem<T>& p, int64_t m, int64_t count, int64_t lo, int64_t hi) {
-  for (int64_t n = lo; n < hi; ++n) {
-    switch (count) {
-      case 4: column<4>(p, m, n); break;
-      case 3: column<3>(p, m, n); break;
-      case 2: column<2>(p, m, n); break;
-      default: column<1>(p, m, n); break;
-    }
-  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v) vstore(p.out + (m + r) * p.n + tile * kTileCols + v * W, acc[r][v]);
 }
 
 template <typename T>
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t group) {
-  const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / group;
+  const int64_t rows = x.size(0), k = x.size(1), tiles = packed.size(0), n = tiles * kTileCols, groups = k / group;
   std::vector<int8_t> xq(rows * k);
   std::vector<float> xs(rows * groups), xsums(rows * groups);
   const T* xp = x.data_ptr<T>();
@@ -140,13 +167,18 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   at::Tensor out = at::empty({rows, n}, x.options());
   const Problem<T> p{k, groups, group, xq.data(), xs.data(), xsums.data(), packed.data_ptr<uint8_t>(),
                      scales_zeros.data_ptr<T>(), out.data_ptr<T>(), n};
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (kTile * k / 2));
+  const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (kTileCols * k / 2));
   at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t tile = lo; tile < hi; ++tile) {
-      const int64_t end = std::min(n, (tile + 1) * kTile);
       // Every row of x against one tile of W, four rows at a time: the tile is read from memory once.
-      for (int64_t m = 0; m < rows; m += kRows) columns(p, m, std::min<int64_t>(kRows, rows - m), tile * kTile, end);
+      int64_t m = 0;
+      for (; m + kRows <= rows; m += kRows) tile_rows<kRows>(p, m, tile);
+      switch (rows - m) {
+        case 3: tile_rows<3>(p, m, tile); break;
+        case 2: tile_rows<2>(p, m, tile); break;
+        case 1: tile_rows<1>(p, m, tile); break;
+        default: break;
+      }
     }
   });
   return out;
@@ -154,17 +186,17 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                      int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && scales_zeros.dim() == 3,
-              "x [M, K], packed [N, K / 2], scales_zeros [N, K / group_size, 2]");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && scales_zeros.dim() == 4,
+              "x [M, K], packed [N / 16, K * 8], scales_zeros [N / 16, K / group_size, 2, 16]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && scales_zeros.scalar_type() == x.scalar_type(),
               "packed must be uint8 and scales_zeros of x's dtype");
   TORCH_CHECK(x.stride(1) == 1 && packed.is_contiguous() && scales_zeros.is_contiguous(),
               "rows of x, packed and scales_zeros must be contiguous");
   const int64_t k = x.size(1);
-  TORCH_CHECK(group_size > 0 && group_size % kChunk == 0 && k % group_size == 0 && packed.size(1) * 2 == k &&
+  TORCH_CHECK(group_size > 0 && group_size % kChunk == 0 && k % group_size == 0 && packed.size(1) == k * 8 &&
                   scales_zeros.size(0) == packed.size(0) && scales_zeros.size(1) == k / group_size &&
-                  scales_zeros.size(2) == 2,
-              "shapes do not match: the group size must be a multiple of 64 dividing K, the packed width K / 2");
+                  scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTileCols,
+              "shapes do not match: the group size must be a multiple of 64 dividing K, the packed width K * 8");
   switch (x.scalar_type()) {
     case at::kFloat: return run<float>(x, packed, scales_zeros, group_size);
     case at::kBFloat16: return run<c10::BFloat16>(x, packed, scales_zeros, group_size);
