@@ -20,6 +20,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,6 +32,8 @@
 #define FASTGEN_OP_NAME(name) "fastgen::" name "_" FASTGEN_STR(FASTGEN_ISA)
 
 namespace {
+
+#include "simd.h"
 
 using Q4Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 using Q8Fn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
@@ -79,14 +83,33 @@ at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& weight, double eps) {
   T* dst = out.data_ptr<T>();
   for (int64_t m = 0; m < rows; ++m) {
     const T* x = src + m * dim;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < dim; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+    vf squares = vzero();
+    int64_t i = 0;
+    for (; i + W <= dim; i += W) squares = vfma(vload(x + i), vload(x + i), squares);
+    float sum = vsum(squares);
+    for (; i < dim; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
     const float r = 1.0f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
-    for (int64_t i = 0; i < dim; ++i) {
+    for (i = 0; i < dim; ++i) {
       dst[m * dim + i] = static_cast<T>(rnd<T>(static_cast<float>(x[i]) * r) * static_cast<float>(w[i]));
     }
   }
   return out;
+}
+
+// silu(gate) * up over `n` values, SiLU rounded to T before the product as torch's `act(gate).mul_(up)` is.
+template <typename T>
+void silu_and_mul(const T* gate, const T* up, T* out, int64_t n) {
+  int64_t i = 0;
+  alignas(64) T silu[W];
+  for (; i + W <= n; i += W) {
+    const vf g = vload(gate + i);
+    vstore(silu, vdiv(g, vadd(vset(1.0f), vexp(vsub(vzero(), g)))));
+    vstore(out + i, vmul(vload(silu), vload(up + i)));
+  }
+  for (; i < n; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    out[i] = static_cast<T>(rnd<T>(g / (1.0f + std::exp(-g))) * static_cast<float>(up[i]));
+  }
 }
 
 // Heads `heads` of row m of `src` (stride `row` elements) rotated NeoX-style by position `pos` into `dst`
@@ -160,13 +183,7 @@ at::Tensor run(const at::Tensor& hidden, const at::Tensor& positions, const at::
   at::Tensor act = at::empty({rows, inter}, h.options());
   const T* gu = gate_up.data_ptr<T>();
   T* ap = act.data_ptr<T>();
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t i = 0; i < inter; ++i) {
-      const float g = static_cast<float>(gu[m * 2 * inter + i]);
-      ap[m * inter + i] =
-          static_cast<T>(rnd<T>(g / (1.0f + std::exp(-g))) * static_cast<float>(gu[m * 2 * inter + inter + i]));
-    }
-  }
+  for (int64_t m = 0; m < rows; ++m) silu_and_mul(gu + m * 2 * inter, gu + m * 2 * inter + inter, ap + m * inter, inter);
   const at::Tensor down = linear(act, weights[8], weights[9], kinds[3]);
   const T* dp = down.data_ptr<T>();
   for (int64_t i = 0; i < rows * width; ++i) outp[i] = static_cast<T>(static_cast<float>(outp[i]) + static_cast<float>(dp[i]));

@@ -20,6 +20,7 @@ inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vclamp(vf x, float lo, float hi) { return _mm512_max_ps(_mm512_min_ps(x, vset(hi)), vset(lo)); }
@@ -44,6 +45,7 @@ inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 inline float vsum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
