@@ -3,7 +3,7 @@ and its fixed arguments where it can.
 
 The op computes exactly one block shape: `h + attn(norm1(h))`, then `+ down(silu(gate) * up)(norm2(.))`, with
 RMSNorms, a merged q/k/v without biases, q/k norms or query prescaling, NeoX rotary from one cos/sin cache (or
-none), and every linear on fastgen's int4 or Q8_0 CPU kernel on one rank. Anything else (another norm or
+none), and every linear on fastgen's int4, Q8_0 or bf16-tile CPU kernel on one rank. Anything else (another norm or
 activation, a bias, LoRA, tensor parallelism, LongRoPE's two factor sets, torch's int4 kernel) keeps the layer's
 own forward; the reason says which part.
 """
@@ -15,9 +15,11 @@ from torch import nn
 
 from fastgen.models.attention import Attention
 from fastgen.models.layers import GatedMLP, RMSNorm
+from fastgen.models.packed import PackedLinear
 from fastgen.models.quant import QuantizedLinear
 from fastgen.models.rope import RotaryEmbedding
-from fastgen.ops.cpu_kernels.decode_layer import Q8_0_KIND, DecodeLayerWeights
+from fastgen.ops.cpu_kernels.decode_layer import BF16_KIND, Q8_0_KIND, DecodeLayerWeights
+from fastgen.ops.gemv import GEMV_MAX_ROWS
 
 _KINDS = {"int4_q4": None, "int8_q8_0": Q8_0_KIND}
 """`QuantizedLinear.kernel`s the op multiplies (int4: its group size is the kind)."""
@@ -25,8 +27,14 @@ _KINDS = {"int4_q4": None, "int8_q8_0": Q8_0_KIND}
 
 def _linear(name: str, linear: nn.Module) -> tuple[tuple, int] | str:
     """(its two weight tensors, its kind) or why the op cannot multiply it."""
+    if type(linear) is PackedLinear:
+        tiles = linear.gemv_weight
+        if tiles is None or tiles.dim() != 2 or linear.bias is not None or linear.tp.size > 1:
+            return (f"{name} is a packed linear without bf16 tiles for fastgen's C++ kernel (gemv_weights), or with "
+                    "a bias or tensor-parallel split")
+        return (tiles, tiles), BF16_KIND
     if type(linear) is not QuantizedLinear:
-        return f"{name} is a {type(linear).__name__}, not an int4/int8 linear on fastgen's C++ kernel"
+        return f"{name} is a {type(linear).__name__}, not an int4/int8/bf16-tiled linear on fastgen's C++ kernels"
     if linear.kernel not in _KINDS:
         return f"{name} runs the {linear.kernel or 'unloaded'} kernel, not fastgen's int4 or Q8_0 one"
     if linear.bias is not None or linear.tp.size > 1:
@@ -69,4 +77,5 @@ def pre_norm_decode_weights(input_norm: nn.Module, attn: nn.Module, post_norm: n
     return DecodeLayerWeights(
         weights=tuple(weights), kinds=tuple(kinds), cos_sin=None if rotary is None else rotary.cos_sin_cache.float(),
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, eps=float(input_norm.eps),
-        scale=float(attn.scale), sliding_window=int(attn.sliding_window or 0), softcap=float(attn.softcap))
+        scale=float(attn.scale), sliding_window=int(attn.sliding_window or 0), softcap=float(attn.softcap),
+        **({"max_rows": GEMV_MAX_ROWS} if BF16_KIND in kinds else {}))

@@ -21,13 +21,13 @@ from torch import nn
 
 from fastgen.models.parallel import SINGLE, ParallelLMHead, copy_parallel_layout, finish_row_parallel
 from fastgen.models.quant import quantizable_linears
-from fastgen.ops.gemv import gemv_groups, group_weight
+from fastgen.ops.gemv import gemv_weight
 from fastgen.ops.packed_linear import apply_packed_linear, pack_linear_weight
 
 
 def _grouped(weight: torch.Tensor | None, threads: int) -> torch.Tensor | None:
-    """`weight` viewed for `gemv_linear` over `threads` cores (None stays None)."""
-    return None if weight is None else group_weight(weight.detach(), gemv_groups(weight.shape[0], threads))
+    """`weight` in the form `gemv_linear` multiplies over `threads` cores (None stays None)."""
+    return None if weight is None else gemv_weight(weight.detach(), threads)
 
 
 class PackedLinear(nn.Module):

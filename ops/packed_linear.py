@@ -9,8 +9,8 @@ summation order (a few 1e-6 relative in fp32).
 
 `fastgen::packed_linear` is a custom op so `torch.compile` passes the packed weight (an opaque
 oneDNN tensor, which Inductor cannot lower) straight to the kernel. Given the plain weight too, as
-`fastgen.ops.gemv.group_weight`'s view, an input of at most `GEMV_MAX_ROWS` rows multiplies over
-that instead (`gemv_linear`: faster at a few rows). The op picks at run time, so a compiled graph
+`fastgen.ops.gemv.gemv_weight`'s form (bf16 tiles for fastgen's C++ kernel, or a grouped view), an input of
+at most `GEMV_MAX_ROWS` rows multiplies over that instead (`gemv_linear`: faster at a few rows). The op picks at run time, so a compiled graph
 with a symbolic row count serves both without a recompile.
 """
 
@@ -70,7 +70,7 @@ torch.library.register_fake("fastgen::packed_linear", _packed_linear_fake, lib=_
 packed_linear = torch.ops.fastgen.packed_linear
 """`fastgen::packed_linear(x, packed_weight, bias, out_features, gemv_weight=None)`: `x @ W.T + bias`
 over the last dimension of `x`, where `packed_weight` is `pack_linear_weight(W)` and `gemv_weight`,
-if given, `group_weight(W, groups)`."""
+if given, `gemv_weight(W, threads)`."""
 
 
 def apply_packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,

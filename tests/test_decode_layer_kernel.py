@@ -126,7 +126,7 @@ def test_engine_greedy_with_the_op_equals_without(tiny_checkpoints, monkeypatch)
     ("qwen2", "int4", 64, "has a bias"),
     ("qwen3", "int4", 32, "q/k norms"),
     ("llama", "int4", 32, "runs the int4_cpu kernel"),
-    ("llama", "none", 64, "not an int4/int8 linear"),
+    ("llama", "none", 64, "not an int4/int8/bf16-tiled linear"),
 ])
 def test_layers_it_refuses_say_why(tiny_checkpoints, model_type, quantization, group, reason):
     model = load_model(tiny_checkpoints[model_type], dtype=torch.float32, progress=False, quantization=quantization,
@@ -140,7 +140,7 @@ def test_plan_chooses_and_refuses(tiny_checkpoints):
     on = make_plan(facts, hardware, dtype="float32", quantization="int4", quantization_group_size=64)
     assert on.decode_layer_kernel and "one C++ call" in on.reasons["decode_layer_kernel"]
     off = make_plan(facts, hardware, dtype="float32")
-    assert not off.decode_layer_kernel and "not quantized" in off.reasons["decode_layer_kernel"]
+    assert not off.decode_layer_kernel and "neither" in off.reasons["decode_layer_kernel"]
     torch_attention = make_plan(facts, hardware, quantization="int8", attention_backend="torch")
     assert not torch_attention.decode_layer_kernel
     with pytest.raises(ValueError, match="decode_layer_kernel=True cannot apply: .*tensor-parallel"):

@@ -68,7 +68,9 @@ class _DecodeLayerForward:
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata,
                  kv_cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        step = None if torch.compiler.is_compiling() else step_of(attn_metadata, hidden)
+        step = None
+        if hidden.shape[0] <= self.weights.max_rows and not torch.compiler.is_compiling():
+            step = step_of(attn_metadata, hidden)
         if step is None:
             return self.fallback(positions, hidden, attn_metadata, kv_cache)
         return step.run(self.weights, hidden, positions, kv_cache, attn_metadata.slot_mapping)

@@ -22,7 +22,7 @@ from fastgen.ops.packed_linear import PREPACK_DTYPES, prepack_available
 from fastgen.ops.prefault import prefault_supported
 from fastgen.planning.cpu_kernels_plan import (choose_cpu_attention, choose_decode_layer_kernel, decode_layer_blocker,
                                                int4_kernel_reason)
-from fastgen.planning.hardware import Hardware, detect_hardware
+from fastgen.planning.hardware import Hardware, cpu_kernel_blocker, detect_hardware
 from fastgen.planning.head_plan import choose_lm_head_quantization, q8_head_bytes
 from fastgen.planning.lora_plan import choose_lora
 from fastgen.planning.memory import (CPU_KV_RAM_FRACTION, GPU_MEMORY_FRACTION, activation_reserve,
@@ -137,7 +137,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
         if not prepack:
             raise ValueError("gemv_weights=True needs weight_prepack: without it every linear already keeps its "
                              "plain weight")
-        copy = _gemv_copy_bytes(model, dtype)
+        copy = _gemv_copy_bytes(model, dtype, dtype == torch.bfloat16 and cpu_kernel_blocker(hardware) is None)
         weights += copy
         if "gemv_weights" in user:
             reasons["gemv_weights"] += f"; the plain copies take {format_bytes(copy)} more"
@@ -164,7 +164,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
                                                                   max_seqs)
     grammar = pick("structured_outputs_backend", _choose_structured_outputs_backend)
     prefault = pick("kv_prefault", lambda: _choose_kv_prefault(hardware))
-    layer_blocker = decode_layer_blocker(attention, quant, tp, stream.offload, lora.enable_lora)
+    layer_blocker = decode_layer_blocker(attention, quant, gemv and dtype == torch.bfloat16, tp, stream.offload,
+                                         lora.enable_lora)
     decode_layer = pick("decode_layer_kernel", lambda: choose_decode_layer_kernel(layer_blocker))
     if decode_layer and layer_blocker is not None:
         raise ValueError(f"decode_layer_kernel=True cannot apply: {layer_blocker}")
@@ -420,10 +421,11 @@ GEMV_COPY_SHARE = 0.1
 available RAM."""
 
 
-def _gemv_copy_bytes(model: ModelFacts, dtype: torch.dtype) -> int:
-    """Bytes `gemv_weights` keeps besides the packed weights: the decoder layers' plain weights, and an
-    untied LM head's (a tied head's plain weight is the embedding's, kept anyway)."""
-    head = 0 if model.config.tie_word_embeddings else model.head_weight_bytes(dtype)
+def _gemv_copy_bytes(model: ModelFacts, dtype: torch.dtype, tiles: bool = False) -> int:
+    """Bytes `gemv_weights` keeps besides the packed weights: the decoder layers' plain weights (or, `tiles`, their
+    copies in fastgen's bf16 kernel layout), and the LM head's (a tied head's plain weight is the embedding's,
+    kept anyway; its tiles are a copy)."""
+    head = 0 if model.config.tie_word_embeddings and not tiles else model.head_weight_bytes(dtype)
     return model.layer_weight_bytes(dtype) + head
 
 
@@ -440,19 +442,25 @@ def _choose_kv_prefault(hw: Hardware) -> tuple[bool, str]:
 
 
 def _choose_gemv_weights(model: ModelFacts, hw: Hardware, dtype: torch.dtype, prepack: bool) -> tuple[bool, str]:
-    """On with prepacking while the plain copies take at most `GEMV_COPY_SHARE` of the available RAM, except
-    for bf16 weights on a CPU with bf16 dot products (AVX512-BF16, AMX), which oneDNN's packed kernel uses."""
+    """On with prepacking while the copies take at most `GEMV_COPY_SHARE` of the available RAM: bf16 weights in
+    fastgen's C++ kernel layout where it runs, else the plain weights, except for bf16 weights on a CPU with bf16
+    dot products (AVX512-BF16, AMX) and no C++ kernel, which oneDNN's packed kernel uses."""
     if not prepack:
         return False, "weight_prepack is off: every linear multiplies its plain weight"
+    tiles = dtype == torch.bfloat16 and cpu_kernel_blocker(hw) is None
     native = sorted(hw.cpu_flags & {"avx512_bf16", "amx_bf16"})
-    if dtype == torch.bfloat16 and native:
+    if dtype == torch.bfloat16 and native and not tiles:
         return False, (f"bf16 weights on a CPU with {' and '.join(native)}: oneDNN's packed kernel multiplies them "
                        "with bf16 dot products at 1.5-3x the GB/s of the plain-weight GEMV path at 1-8 rows "
                        "(2-core EPYC with avx512_bf16, SmolLM2-135M's shapes: batch-1 decode 41 -> 25 ms a step)")
-    copy = _gemv_copy_bytes(model, dtype)
+    copy = _gemv_copy_bytes(model, dtype, tiles)
     if copy > GEMV_COPY_SHARE * hw.ram_available:
-        return False, (f"the plain copies would take {format_bytes(copy)}, over {GEMV_COPY_SHARE:.0%} of the "
+        return False, (f"the copies would take {format_bytes(copy)}, over {GEMV_COPY_SHARE:.0%} of the "
                        f"{format_bytes(hw.ram_available)} of RAM available (gemv_weights=True to keep them anyway)")
+    if tiles:
+        return True, (f"steps of at most 4 rows multiply over copies of the bf16 weights in fastgen's C++ kernel "
+                      f"layout ({format_bytes(copy)} more; 16 output columns interleaved, pair dots in lanes): "
+                      "~31 GB/s read against oneDNN's ~18 and ATen's mv ~10 (2-core EPYC, SmolLM2-135M's shapes)")
     return True, (f"steps of at most 4 rows multiply over the plain weights ({format_bytes(copy)} more) with their "
                   "output rows split over the cores: 1.4-2x oneDNN's packed kernel, which runs them on one core "
                   "(2-core EPYC, fp32)")

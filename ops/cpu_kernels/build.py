@@ -28,7 +28,7 @@ logger = logging.getLogger("fastgen")
 
 SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("paged_decode.cpp", "lora_delta.cpp",
                                                                                "q8_matmul.cpp", "q4_matmul.cpp",
-                                                                               "decode_layer.cpp"))
+                                                                               "bf16_matmul.cpp", "decode_layer.cpp"))
 """The kernels' C++ sources, compiled into one library."""
 
 HEADERS = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("simd.h", "int8_dot.h"))
@@ -86,7 +86,7 @@ def _load_library(isa: str) -> bool:
 @functools.cache
 def kernel_op(name: str, isa: str) -> torch._ops.OpOverloadPacket | None:
     """`fastgen::<name>_<isa>`, one of the library's ops (`paged_decode`, `lora_delta`, `q8_matmul`, `q4_matmul`,
-    `decode_layer`:
+    `bf16_matmul`, `decode_layer`:
     the source of that name), built or found in the cache on the first call of a process; None when it cannot
     be built."""
     return getattr(torch.ops.fastgen, f"{name}_{isa}") if _load_library(isa) else None

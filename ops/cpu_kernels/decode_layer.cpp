@@ -10,7 +10,7 @@
 // the order of fp32 sums.
 //
 // Linear "kinds": a positive kind is an int4 linear of that group size (packed, scales_zeros), 0 a Q8_0 one
-// (values, scales). Built once per ISA variant with the other kernels (ops/cpu_kernels/isa.py).
+// (values, scales), -1 a bf16 one in bf16_matmul.cpp's tiles (the tiles, and an unused tensor). Built once per ISA variant with the other kernels (ops/cpu_kernels/isa.py).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -37,6 +37,7 @@ namespace {
 
 using Q4Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 using Q8Fn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using Bf16Fn = at::Tensor(const at::Tensor&, const at::Tensor&);
 using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, double, int64_t, double, const std::optional<at::Tensor>&, int64_t,
@@ -51,6 +52,11 @@ const c10::TypedOperatorHandle<Q4Fn>& q4_op() {
 const c10::TypedOperatorHandle<Q8Fn>& q8_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow(FASTGEN_OP_NAME("q8_matmul"), "").typed<Q8Fn>();
+  return op;
+}
+const c10::TypedOperatorHandle<Bf16Fn>& bf16_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(FASTGEN_OP_NAME("bf16_matmul"), "").typed<Bf16Fn>();
   return op;
 }
 const c10::TypedOperatorHandle<AttentionFn>& attention_op() {
@@ -68,6 +74,7 @@ inline float rnd(float v) {
 // x @ W^T `[M, N]` in x's dtype for a linear of `kind` whose weight is the pair (a, b).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, int64_t kind) {
   if (kind > 0) return q4_op().call(x, a, b, kind);
+  if (kind < 0) return bf16_op().call(x, a);
   at::Tensor out = at::empty({x.size(0), a.size(0)}, x.options().dtype(at::kFloat));
   q8_op().call(out, x, a, b);
   return out.to(x.scalar_type());
@@ -191,7 +198,7 @@ at::Tensor run(const at::Tensor& hidden, const at::Tensor& positions, const at::
 }
 
 // The op. weights: input_layernorm.weight, qkv_proj (2 tensors), o_proj (2), post_attention_layernorm.weight,
-// gate_up_proj (2), down_proj (2); kinds: one per linear (int4 group size, or 0 for Q8_0). cos_sin: the rotary
+// gate_up_proj (2), down_proj (2); kinds: one per linear (int4 group size, 0 for Q8_0, -1 for bf16 tiles). cos_sin: the rotary
 // cache `[positions, rotary_dim]` fp32 (cos then sin), undefined for a layer without rotary. The attention
 // arguments are fastgen::paged_attention's; every sequence of the step must have at most `max_query_len`
 // query tokens (the kernel attends only those).

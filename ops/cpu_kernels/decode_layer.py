@@ -21,6 +21,9 @@ Q8_0_KIND = 0
 """The kind of a Q8_0 linear (values int8 `[N, K]`, fp16 scales `[N, K / 32]`); an int4 linear's kind is its
 group size (packed and scales_zeros in `fastgen.ops.cpu_kernels.q4`'s layout)."""
 
+BF16_KIND = -1
+"""The kind of a bf16 linear in `fastgen.ops.cpu_kernels.bf16`'s tiles (the tiles, then any tensor: unused)."""
+
 MAX_ROWS = 16
 """Most tokens in a step the layer op takes: decode steps of up to that many sequences, verification rows,
 short prompt chunks. Larger steps keep the layer's own forward (compiled), whose per-call cost they amortise."""
@@ -51,6 +54,9 @@ class DecodeLayerWeights:
     """The layer's window (0: full attention)."""
     softcap: float
     """Soft-capping of the scores (0: none)."""
+    max_rows: int = MAX_ROWS
+    """Most tokens a step may have for this layer to take the op: bf16 tiles are a GEMV kernel (each row a pass
+    of pair dots), which oneDNN's GEMM overtakes past a few rows."""
 
 
 def decode_layer_op() -> torch._ops.OpOverloadPacket | None:
