@@ -19,6 +19,7 @@ from fastgen.models.packed import PackedLinear
 from fastgen.models.quant import QuantizedLinear
 from fastgen.models.rope import RotaryEmbedding
 from fastgen.ops.cpu_kernels.decode_layer import BF16_KIND, Q8_0_KIND, DecodeLayerWeights
+from fastgen.ops.cpu_kernels.q8 import TILE as Q8_TILE
 from fastgen.ops.gemv import GEMV_MAX_ROWS
 
 _KINDS = {"int4_q4": None, "int8_q8_0": Q8_0_KIND}
@@ -40,6 +41,8 @@ def _linear(name: str, linear: nn.Module) -> tuple[tuple, int] | str:
     if linear.bias is not None or linear.tp.size > 1:
         return f"{name} has a bias or is split over tensor-parallel ranks"
     if linear.kernel == "int8_q8_0":
+        if linear.out_features % Q8_TILE:
+            return f"{name} has {linear.out_features} outputs, not whole {Q8_TILE}-column tiles of the Q8_0 kernel"
         return (linear.qweight, linear.scales), Q8_0_KIND
     return (linear.qweight, linear.scales_zeros), linear.group_size
 

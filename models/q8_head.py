@@ -22,7 +22,7 @@ from torch import nn
 
 from fastgen.models.parallel import ParallelLMHead
 from fastgen.ops.cpu_kernels import active_op
-from fastgen.ops.cpu_kernels.q8 import cpu_q8_matmul, quantize_q8_0
+from fastgen.ops.cpu_kernels.q8 import cpu_q8_matmul, pack_q8_0, quantize_q8_0
 
 logger = logging.getLogger("fastgen")
 
@@ -42,7 +42,7 @@ class Q8LMHead(nn.Module):
         self.tp = head.tp
         self.vocab_size = head.vocab_size
         self.in_features, self.out_features = head.in_features, head.out_features
-        values, scales = quantize_q8_0(head.weight)
+        values, scales = pack_q8_0(*quantize_q8_0(head.weight))
         self.register_buffer("qweight", values, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         # The plain weight (a tied head's is the embedding's), for calls of more than Q8_MAX_ROWS rows.
@@ -58,7 +58,7 @@ class Q8LMHead(nn.Module):
         flat = hidden.reshape(-1, self.in_features)
         if flat.shape[0] > Q8_MAX_ROWS:
             return F.linear(hidden, self.weight, self.bias).float()
-        out = cpu_q8_matmul(flat, self.qweight, self.scales)
+        out = cpu_q8_matmul(flat, self.qweight, self.scales, self.out_features)
         if out is None:
             raise RuntimeError("the Q8_0 LM head needs fastgen's C++ CPU kernels, which are off or failed to build "
                                "since the engine started (FASTGEN_CPU_KERNELS)")

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fastgen.ops.cpu_kernels.q4 import pack_q4, q4_blocker, q4_matmul_op
-from fastgen.ops.cpu_kernels.q8 import BLOCK as Q8_BLOCK, q8_matmul_op, quantize_q8_0
+from fastgen.ops.cpu_kernels.q8 import BLOCK as Q8_BLOCK, pack_q8_0, q8_matmul_op, quantize_q8_0
 from fastgen.models.parallel import SINGLE, ParallelLMHead, copy_parallel_layout, finish_row_parallel
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -167,8 +167,11 @@ class QuantizedLinear(nn.Module):
         """Turn the staged values into the kernel's layout and drop the meta weight."""
         staged, self._staged, self._rows_in = self._staged, {}, None
         if self.mode == "int8":
-            self.register_buffer("qweight", staged["q"])
-            self.register_buffer("scales", staged["scales"])
+            q, scales = staged["q"], staged["scales"]
+            if self.q8_matmul is not None:
+                q, scales = pack_q8_0(q, scales)
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scales)
             self.kernel = "int8_q8_0" if self.q8_matmul is not None else "int8"
         else:
             q = staged["q"]

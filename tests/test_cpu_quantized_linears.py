@@ -13,7 +13,7 @@ from torch import nn
 from fastgen.models.quant import QuantizedLinear, quantize_int4
 from fastgen.ops.cpu_kernels import ENV_VAR, ISAS, kernel_op, supported_isas
 from fastgen.ops.cpu_kernels.q4 import dequantize_q4, pack_q4, q4_matmul_op, unpack_q4
-from fastgen.ops.cpu_kernels.q8 import BLOCK, dequantize_q8_0, q8_matmul_op, quantize_q8_0
+from fastgen.ops.cpu_kernels.q8 import BLOCK, dequantize_q8_0, q8_matmul_op, quantize_q8_0, unpack_q8_0
 
 
 def _packed(n: int, k: int, group: int, dtype: torch.dtype, generator: torch.Generator):
@@ -142,9 +142,10 @@ def test_int8_linear_holds_q8_0_where_the_kernel_runs(dtype, monkeypatch):
     if q8_matmul_op() is None:
         pytest.skip("the C++ CPU kernels cannot be built here")
     layer = _linear(weight, 32, dtype, "int8")
-    assert layer.kernel == "int8_q8_0" and layer.scales.shape == (80, 96 // BLOCK)
+    assert layer.kernel == "int8_q8_0" and layer.scales.shape == (5, 96 // BLOCK, 16)  # 16-column tiles
     values, scales = quantize_q8_0(weight)
-    assert torch.equal(layer.qweight, values) and torch.equal(layer.scales, scales)
+    held = unpack_q8_0(layer.qweight, layer.scales, 80)
+    assert torch.equal(held[0], values) and torch.equal(held[1], scales)
     x_values, x_scales = quantize_q8_0(x.float())
     x_q = (x_values.double().view(6, -1, BLOCK) * x_scales.double().unsqueeze(-1)).view(6, 96)
     want = x_q @ dequantize_q8_0(values, scales).double().t()

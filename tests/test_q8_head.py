@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import fastgen
 from fastgen.models.q8_head import Q8_MAX_ROWS, Q8LMHead
 from fastgen.ops.cpu_kernels import ENV_VAR, ISAS, kernel_op, supported_isas
-from fastgen.ops.cpu_kernels.q8 import BLOCK, cpu_q8_matmul, dequantize_q8_0, quantize_q8_0
+from fastgen.ops.cpu_kernels.q8 import BLOCK, cpu_q8_matmul, dequantize_q8_0, pack_q8_0, quantize_q8_0, unpack_q8_0
 from fastgen.planning.hardware import GPUInfo, Hardware
 from fastgen.planning.model_facts import model_facts
 from fastgen.planning.policy import make_plan
@@ -47,6 +47,18 @@ def test_layout_equals_the_gguf_packages_q8_0():
         quantize_q8_0(torch.zeros(2, 40))
 
 
+def test_kernel_layout_round_trips():
+    """`pack_q8_0`: 16-column tiles (the last padded with zeros), 4 values of each column per 64 bytes."""
+    values, scales = quantize_q8_0(torch.randn(37, 64, generator=torch.Generator().manual_seed(5)))
+    packed, tile_scales = pack_q8_0(values, scales)
+    assert packed.shape == (3, 64 * 16) and tile_scales.shape == (3, 2, 16)
+    # tile 1, block 1, sub-block 2, column 5, value 3: input 32 + 8 + 3 of column 21
+    assert packed[1, 512 + 2 * 64 + 5 * 4 + 3] == values[21, 43] and tile_scales[1, 1, 5] == scales[21, 1]
+    assert not packed[2, :].view(2, 8, 16, 4)[:, :, 5:].any()  # padding columns 37..47
+    got_values, got_scales = unpack_q8_0(packed, tile_scales, 37)
+    assert torch.equal(got_values, values) and torch.equal(got_scales, scales)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_kernel_equals_float64_oracle(isa, dtype, monkeypatch):
@@ -64,25 +76,27 @@ def test_kernel_equals_float64_oracle(isa, dtype, monkeypatch):
         values, scales = quantize_q8_0(weight)
         x = (torch.randn(rows, k, generator=generator) * 3).to(dtype)
         x[0, -BLOCK:] = 0
-        out = cpu_q8_matmul(x, values, scales)
+        out = cpu_q8_matmul(x, *pack_q8_0(values, scales), n)
         assert out.dtype == torch.float32 and out.shape == (rows, n)
         want = _oracle(x, values, scales)
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
     strided = x.t().contiguous().t()  # columns not contiguous: copied first
-    torch.testing.assert_close(cpu_q8_matmul(strided, values, scales), out)
+    torch.testing.assert_close(cpu_q8_matmul(strided, *pack_q8_0(values, scales), n), out)
 
 
 def test_kernel_refuses_what_it_cannot_take(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
-    values, scales = quantize_q8_0(torch.randn(8, 64))
-    if cpu_q8_matmul(torch.randn(1, 64), values, scales) is None:
+    values, scales = pack_q8_0(*quantize_q8_0(torch.randn(8, 64)))
+    if cpu_q8_matmul(torch.randn(1, 64), values, scales, 8) is None:
         pytest.skip("the C++ CPU kernels cannot be built here")
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        cpu_q8_matmul(torch.randn(1, 32), values, scales)
-    with pytest.raises(RuntimeError, match="qweight int8 and scales float16"):
-        cpu_q8_matmul(torch.randn(1, 64), values, scales.float())
+        cpu_q8_matmul(torch.randn(1, 32), values, scales, 8)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cpu_q8_matmul(torch.randn(1, 64), values, scales, 17)  # more columns than the tiles hold
+    with pytest.raises(RuntimeError, match="packed int8 and scales float16"):
+        cpu_q8_matmul(torch.randn(1, 64), values, scales.float(), 8)
     monkeypatch.setenv(ENV_VAR, "off")
-    assert cpu_q8_matmul(torch.randn(1, 64), values, scales) is None
+    assert cpu_q8_matmul(torch.randn(1, 64), values, scales, 8) is None
 
 
 def _hidden_rows(pipe: fastgen.Pipeline, prompt: list[int]) -> torch.Tensor:
@@ -113,7 +127,8 @@ def test_engine_head_equals_the_oracle_over_the_checkpoints_head(model_type, tp,
         weight = load_file(os.path.join(path, "model.safetensors"))["model.embed_tokens.weight" if tied else
                                                                      "lm_head.weight"]
         values, scales = quantize_q8_0(weight)
-        assert torch.equal(head.qweight, values) and torch.equal(head.scales, scales)
+        held = unpack_q8_0(head.qweight, head.scales, head.out_features)
+        assert torch.equal(held[0], values) and torch.equal(held[1], scales)
         assert torch.equal(head.weight, weight)
         if tied:
             assert head.weight is pipe.engine.runner.model.model.embed_tokens.weight

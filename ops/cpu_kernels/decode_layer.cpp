@@ -75,7 +75,7 @@ inline float rnd(float v) {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, int64_t kind) {
   if (kind > 0) return q4_op().call(x, a, b, kind);
   if (kind < 0) return bf16_op().call(x, a);
-  at::Tensor out = at::empty({x.size(0), a.size(0)}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({x.size(0), a.size(0) * 16}, x.options().dtype(at::kFloat));  // whole tiles
   q8_op().call(out, x, a, b);
   return out.to(x.scalar_type());
 }

@@ -18,8 +18,8 @@ from fastgen.ops.cpu_kernels.build import active_op
 from fastgen.ops.cpu_kernels.decode import KernelStep
 
 Q8_0_KIND = 0
-"""The kind of a Q8_0 linear (values int8 `[N, K]`, fp16 scales `[N, K / 32]`); an int4 linear's kind is its
-group size (packed and scales_zeros in `fastgen.ops.cpu_kernels.q4`'s layout)."""
+"""The kind of a Q8_0 linear (packed and scales in `fastgen.ops.cpu_kernels.q8`'s layout, whole tiles); an int4
+linear's kind is its group size (packed and scales_zeros in `fastgen.ops.cpu_kernels.q4`'s layout)."""
 
 BF16_KIND = -1
 """The kind of a bf16 linear in `fastgen.ops.cpu_kernels.bf16`'s tiles (the tiles, then any tensor: unused)."""
