@@ -73,7 +73,8 @@ def test_packed_bf16_layers_keep_tiles_where_the_kernel_runs(tiny_checkpoints, m
         want = plain.model.layers[0].mlp.gate_up_proj(hidden).float()
         torch.testing.assert_close(gate_up(hidden).float(), want, rtol=1.6e-2, atol=2e-2 * want.abs().max().item())
         logits = plain.compute_logits(hidden)
-        torch.testing.assert_close(model.compute_logits(hidden), logits, rtol=1.6e-2, atol=2e-2 * logits.abs().max().item())
+        torch.testing.assert_close(model.compute_logits(hidden), logits, rtol=1.6e-2,
+                                   atol=2e-2 * logits.abs().max().item())
     tiles = gate_up.gemv_weight
     torch.testing.assert_close(gemv_linear(hidden[:2], tiles), hidden[:2] @ unpack_bf16(tiles).t(), rtol=1.6e-2,
                                atol=1e-1)

@@ -57,13 +57,15 @@ def _step(chunks: list[tuple[int, int]], dtype: torch.dtype, kv_heads: int, head
     return metadata, torch.tensor(positions), caches
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_op_equals_the_layer_forward(tiny_checkpoints, quantization, dtype):
+@pytest.mark.parametrize("model_type,quantization,dtype", [
+    ("llama", "int4", torch.float32), ("llama", "int8", torch.float32), ("llama", "int4", torch.bfloat16),
+    ("llama", "int8", torch.bfloat16), ("mistral", "int4", torch.bfloat16),  # a 12-token window, one KV head
+])
+def test_op_equals_the_layer_forward(tiny_checkpoints, model_type, quantization, dtype):
     """Decode rows and short chunks of mixed lengths in one step (a fresh prompt, a chunk over cached tokens, decode
-    rows past a block boundary): each layer's op output and K/V write against the layer's own forward, which calls
-    the same attention and linear kernels, so only the glue between them differs."""
-    model = load_model(tiny_checkpoints["llama"], dtype=dtype, progress=False, quantization=quantization,
+    rows past a block boundary and past a sliding window): each layer's op output and K/V write against the layer's
+    own forward, which calls the same attention and linear kernels, so only the glue between them differs."""
+    model = load_model(tiny_checkpoints[model_type], dtype=dtype, progress=False, quantization=quantization,
                        quantization_group_size=64).model
     config = model.config
     generator = torch.Generator().manual_seed(0)

@@ -119,9 +119,10 @@ def _build_draft_runner(plan: Plan, target: RunnerSpec, device: torch.device, pr
     if speculative is None or speculative.model is None:
         return None
     draft_dir = resolve_model_dir(speculative.model)
-    draft_plan = replace(plan, quantization=speculative.quantization or "none", offload="none", cuda_graphs=False,
-                         tensor_parallel=1, replica_num=1, speculative_config=None, lm_head_quantization="none",
-                         decode_layer_kernel=plan.decode_layer_kernel and (speculative.quantization or "none") != "none")
+    quantization = speculative.quantization or "none"
+    draft_plan = replace(plan, quantization=quantization, offload="none", cuda_graphs=False, tensor_parallel=1,
+                         replica_num=1, speculative_config=None, lm_head_quantization="none",
+                         decode_layer_kernel=plan.decode_layer_kernel and quantization != "none")
     spec = RunnerSpec(draft_plan, model_dir=draft_dir, device_type=device.type, device_index=device.index or 0,
                       num_blocks=target.num_blocks, max_model_len=target.max_model_len, buckets=(),
                       num_threads=target.num_threads, progress=progress)

@@ -31,7 +31,8 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     if blocker is not None:
         raise ValueError(blocker)
     n, k = weight.shape
-    return weight.detach().view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).reshape(n // TILE, k * TILE).contiguous()
+    tiles = weight.detach().view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3)
+    return tiles.reshape(n // TILE, k * TILE).contiguous()
 
 
 def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:

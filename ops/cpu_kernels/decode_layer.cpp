@@ -10,7 +10,8 @@
 // the order of fp32 sums.
 //
 // Linear "kinds": a positive kind is an int4 linear of that group size (packed, scales_zeros), 0 a Q8_0 one
-// (values, scales), -1 a bf16 one in bf16_matmul.cpp's tiles (the tiles, and an unused tensor). Built once per ISA variant with the other kernels (ops/cpu_kernels/isa.py).
+// (values, scales), -1 a bf16 one in bf16_matmul.cpp's tiles (the tiles, and an unused tensor). Built once per
+// ISA variant with the other kernels (ops/cpu_kernels/isa.py).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -183,25 +184,31 @@ at::Tensor run(const at::Tensor& hidden, const at::Tensor& positions, const at::
   const T* hp = h.data_ptr<T>();
   const T* op = o.data_ptr<T>();
   T* outp = out.data_ptr<T>();
-  for (int64_t i = 0; i < rows * width; ++i) outp[i] = static_cast<T>(static_cast<float>(hp[i]) + static_cast<float>(op[i]));
+  for (int64_t i = 0; i < rows * width; ++i) {
+    outp[i] = static_cast<T>(static_cast<float>(hp[i]) + static_cast<float>(op[i]));
+  }
 
   const at::Tensor gate_up = linear(rms_norm<T>(out, weights[5], eps), weights[6], weights[7], kinds[2]);
   const int64_t inter = gate_up.size(1) / 2;
   at::Tensor act = at::empty({rows, inter}, h.options());
   const T* gu = gate_up.data_ptr<T>();
   T* ap = act.data_ptr<T>();
-  for (int64_t m = 0; m < rows; ++m) silu_and_mul(gu + m * 2 * inter, gu + m * 2 * inter + inter, ap + m * inter, inter);
+  for (int64_t m = 0; m < rows; ++m) {
+    silu_and_mul(gu + m * 2 * inter, gu + m * 2 * inter + inter, ap + m * inter, inter);
+  }
   const at::Tensor down = linear(act, weights[8], weights[9], kinds[3]);
   const T* dp = down.data_ptr<T>();
-  for (int64_t i = 0; i < rows * width; ++i) outp[i] = static_cast<T>(static_cast<float>(outp[i]) + static_cast<float>(dp[i]));
+  for (int64_t i = 0; i < rows * width; ++i) {
+    outp[i] = static_cast<T>(static_cast<float>(outp[i]) + static_cast<float>(dp[i]));
+  }
   return out;
 }
 
 // The op. weights: input_layernorm.weight, qkv_proj (2 tensors), o_proj (2), post_attention_layernorm.weight,
-// gate_up_proj (2), down_proj (2); kinds: one per linear (int4 group size, 0 for Q8_0, -1 for bf16 tiles). cos_sin: the rotary
-// cache `[positions, rotary_dim]` fp32 (cos then sin), undefined for a layer without rotary. The attention
-// arguments are fastgen::paged_attention's; every sequence of the step must have at most `max_query_len`
-// query tokens (the kernel attends only those).
+// gate_up_proj (2), down_proj (2); kinds: one per linear (int4 group size, 0 for Q8_0, -1 for bf16 tiles).
+// cos_sin: the rotary cache `[positions, rotary_dim]` fp32 (cos then sin), none for a layer without rotary.
+// The attention arguments are fastgen::paged_attention's; every sequence of the step must have at most
+// `max_query_len` query tokens (the kernel attends only those).
 at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, const std::optional<at::Tensor>& cos_sin,
                         at::TensorList weights, at::IntArrayRef kinds, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,

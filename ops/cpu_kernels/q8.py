@@ -76,6 +76,7 @@ def _q8_matmul_fake(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, sc
 
 
 def q8_matmul_op() -> torch._ops.OpOverload | None:
-    """`fastgen::q8_matmul_<isa>` (out `[M, N]` fp32, written; x `[M, K]`; `pack_q8_0`'s packed and scales) of the variant this
-    process runs now, traceable by a compiled layer; None where the kernels are off or could not be built."""
+    """`fastgen::q8_matmul_<isa>` (out `[M, N]` fp32, written; x `[M, K]`; `pack_q8_0`'s packed and scales) of the
+    variant this process runs now, traceable by a compiled layer; None where the kernels are off or could not be
+    built."""
     return traced_op("q8_matmul", _q8_matmul_fake)
