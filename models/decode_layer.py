@@ -63,22 +63,18 @@ def pre_norm_decode_weights(input_norm: nn.Module, attn: nn.Module, post_norm: n
     rotary = attn._rotary[0]
     if rotary is not None and (type(rotary) is not RotaryEmbedding or rotary.original_max is not None):
         return "the rotary embedding has LongRoPE's two factor sets or another form"
-    weights, kinds = [input_norm.weight], []
-    for name, linear in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj)):
+    linears = []
+    for name, linear in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), ("gate_up_proj", mlp.gate_up_proj),
+                         ("down_proj", mlp.down_proj)):
         got = _linear(name, linear)
         if isinstance(got, str):
             return got
-        weights += got[0]
-        kinds.append(got[1])
-    weights.append(post_norm.weight)
-    for name, linear in (("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)):
-        got = _linear(name, linear)
-        if isinstance(got, str):
-            return got
-        weights += got[0]
-        kinds.append(got[1])
+        linears.append(got)
+    (qkv, _), (o, _), (gate_up, _), (down, _) = linears
+    weights = (input_norm.weight, *qkv, *o, post_norm.weight, *gate_up, *down)
+    kinds = tuple(kind for _, kind in linears)
     return DecodeLayerWeights(
-        weights=tuple(weights), kinds=tuple(kinds), cos_sin=None if rotary is None else rotary.cos_sin_cache.float(),
+        weights=weights, kinds=kinds, cos_sin=None if rotary is None else rotary.cos_sin_cache.float(),
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, eps=float(input_norm.eps),
         scale=float(attn.scale), sliding_window=int(attn.sliding_window or 0), softcap=float(attn.softcap),
         **({"max_rows": GEMV_MAX_ROWS} if BF16_KIND in kinds else {}))

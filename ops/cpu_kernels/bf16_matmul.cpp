@@ -29,31 +29,15 @@
 namespace {
 
 #include "simd.h"
+#include "tiles.h"
 
-constexpr int64_t kTileCols = 16;
-constexpr int kVectors = kTileCols / W;  // vectors across a tile's columns (AVX512: 1, AVX2: 2)
-constexpr int kRows = 4;
 // Fewest weight bytes a thread takes: below it, waking another thread costs more than it saves.
 constexpr int64_t kMinThreadBytes = 64 * 1024;
 
 #if defined(__AVX512F__)
-using vi = __m512i;
-inline vi pairs_load(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
-inline vi broadcast_pair(const c10::BFloat16* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm512_set1_epi32(v);
-}
 inline vf even_values(vi w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
 inline vf odd_values(vi w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF0000))); }
 #else
-using vi = __m256i;
-inline vi pairs_load(const c10::BFloat16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline vi broadcast_pair(const c10::BFloat16* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm256_set1_epi32(v);
-}
 inline vf even_values(vi w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
 inline vf odd_values(vi w) {
   return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
@@ -63,7 +47,7 @@ inline vf odd_values(vi w) {
 // acc + the products of one input pair of W's 16 columns (per lane) with x's pair.
 inline vf pair_fma(vf acc, vi w, const c10::BFloat16* x) {
 #if defined(__AVX512BF16__)
-  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)broadcast_pair(x));
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)broadcast4(x));
 #else
   acc = vfma(even_values(w), vset(static_cast<float>(x[0])), acc);
   return vfma(odd_values(w), vset(static_cast<float>(x[1])), acc);
@@ -90,7 +74,7 @@ void tile_rows(const Problem& p, int64_t m, int64_t tile) {
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const c10::BFloat16* wp = w + pair * 2 * kTileCols;
     for (int v = 0; v < kVectors; ++v) {
-      const vi wv = pairs_load(wp + v * 2 * W);
+      const vi wv = vi_load(wp + v * 2 * W);
       for (int r = 0; r < R; ++r) {
         acc[r][v][pair & 1] = pair_fma(acc[r][v][pair & 1], wv, p.x + (m + r) * p.x_stride + 2 * pair);
       }
@@ -114,14 +98,7 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed) {
   const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (kTileCols * k * 2));
   at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t tile = lo; tile < hi; ++tile) {
-      int64_t m = 0;
-      for (; m + kRows <= rows; m += kRows) tile_rows<kRows>(p, m, tile);
-      switch (rows - m) {
-        case 3: tile_rows<3>(p, m, tile); break;
-        case 2: tile_rows<2>(p, m, tile); break;
-        case 1: tile_rows<1>(p, m, tile); break;
-        default: break;
-      }
+      row_groups(rows, [&]<int R>(int64_t m) { tile_rows<R>(p, m, tile); });
     }
   });
   return out;

@@ -31,7 +31,7 @@ SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("page
                                                                                "bf16_matmul.cpp", "decode_layer.cpp"))
 """The kernels' C++ sources, compiled into one library."""
 
-HEADERS = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("simd.h", "int8_dot.h"))
+HEADERS = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("simd.h", "int8_dot.h", "tiles.h"))
 """Headers the sources include (part of the build's key)."""
 
 

@@ -35,38 +35,20 @@ namespace {
 
 #include "int8_dot.h"
 #include "simd.h"
+#include "tiles.h"
 
 constexpr int64_t kChunk = 64;
-constexpr int kRows = 4;
-constexpr int64_t kTileCols = 16;
-constexpr int kVectors = kTileCols / W;  // int32 vectors across a tile's columns (AVX512: 1, AVX2: 2)
 constexpr int64_t kChunkBytes = kChunk / 2 * kTileCols;  // one chunk of one tile
 // Fewest packed bytes a thread takes: below it, waking another thread costs more than it saves.
 constexpr int64_t kMinThreadBytes = 64 * 1024;
 
 #if defined(__AVX512F__)
-using vi = __m512i;
-inline vi vi_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline vi vi_zero() { return _mm512_setzero_si512(); }
 inline vi low_nibbles(vi p) { return _mm512_and_si512(p, _mm512_set1_epi8(0x0F)); }
 inline vi high_nibbles(vi p) { return _mm512_and_si512(_mm512_srli_epi16(p, 4), _mm512_set1_epi8(0x0F)); }
-inline vi broadcast4(const int8_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm512_set1_epi32(v);
-}
 inline vf sum_to_float(vi a, vi b) { return _mm512_cvtepi32_ps(_mm512_add_epi32(a, b)); }
 #else
-using vi = __m256i;
-inline vi vi_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline vi vi_zero() { return _mm256_setzero_si256(); }
 inline vi low_nibbles(vi p) { return _mm256_and_si256(p, _mm256_set1_epi8(0x0F)); }
 inline vi high_nibbles(vi p) { return _mm256_and_si256(_mm256_srli_epi16(p, 4), _mm256_set1_epi8(0x0F)); }
-inline vi broadcast4(const int8_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm256_set1_epi32(v);
-}
 inline vf sum_to_float(vi a, vi b) { return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b)); }
 #endif
 
@@ -170,15 +152,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (kTileCols * k / 2));
   at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t tile = lo; tile < hi; ++tile) {
-      // Every row of x against one tile of W, four rows at a time: the tile is read from memory once.
-      int64_t m = 0;
-      for (; m + kRows <= rows; m += kRows) tile_rows<kRows>(p, m, tile);
-      switch (rows - m) {
-        case 3: tile_rows<3>(p, m, tile); break;
-        case 2: tile_rows<2>(p, m, tile); break;
-        case 1: tile_rows<1>(p, m, tile); break;
-        default: break;
-      }
+      row_groups(rows, [&]<int R>(int64_t m) { tile_rows<R>(p, m, tile); });
     }
   });
   return out;

@@ -34,25 +34,14 @@ namespace {
 
 #include "int8_dot.h"
 #include "simd.h"
+#include "tiles.h"
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kTileCols = 16;
-constexpr int kVectors = kTileCols / W;  // int32 vectors across a tile's columns (AVX512: 1, AVX2: 2)
 constexpr int64_t kBlockBytes = kBlock * kTileCols;  // one block of one tile
-// Rows of x that share each load of W.
-constexpr int kRows = 4;
 // Fewest weight bytes a thread takes: below it, waking another thread costs more than it saves.
 constexpr int64_t kMinThreadBytes = 64 * 1024;
 
 #if defined(__AVX512F__)
-using vi = __m512i;
-inline vi vi_load(const int8_t* p) { return _mm512_loadu_si512(p); }
-inline vi vi_zero() { return _mm512_setzero_si512(); }
-inline vi broadcast4(const int8_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm512_set1_epi32(v);
-}
 inline vf sum_to_float(vi a, vi b, int32_t correction) {
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(a, b), _mm512_set1_epi32(correction)));
 }
@@ -67,14 +56,6 @@ inline vi dot_s8(vi acc, vi w, vi x) {
 }
 #endif
 #else
-using vi = __m256i;
-inline vi vi_load(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline vi vi_zero() { return _mm256_setzero_si256(); }
-inline vi broadcast4(const int8_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm256_set1_epi32(v);
-}
 inline vf sum_to_float(vi a, vi b, int32_t correction) {
   return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(a, b), _mm256_set1_epi32(correction)));
 }
@@ -172,14 +153,7 @@ void run(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
   const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (kTileCols * k));
   at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t tile = lo; tile < hi; ++tile) {
-      int64_t m = 0;
-      for (; m + kRows <= rows; m += kRows) tile_rows<kRows>(p, m, tile);
-      switch (rows - m) {
-        case 3: tile_rows<3>(p, m, tile); break;
-        case 2: tile_rows<2>(p, m, tile); break;
-        case 1: tile_rows<1>(p, m, tile); break;
-        default: break;
-      }
+      row_groups(rows, [&]<int R>(int64_t m) { tile_rows<R>(p, m, tile); });
     }
   });
 }
