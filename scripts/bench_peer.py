@@ -241,7 +241,8 @@ def run_model(model_name: str, model: str, engines: list[tuple[str, str, dict]],
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB; vLLM's default would take far more of 24 GiB
         if args.cold_caches:
             fresh = tempfile.mkdtemp(prefix="caches-", dir=scratch)
-            env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(fresh, "inductor"), VLLM_CACHE_ROOT=os.path.join(fresh, "vllm"))
+            env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(fresh, "inductor"), VLLM_CACHE_ROOT=os.path.join(fresh, "vllm"),
+                       FASTGEN_CACHE=os.path.join(fresh, "fastgen"))  # fastgen's C++ kernels are built again too
         python = args.vllm_python if engine == "vllm" else sys.executable
         log = os.path.join(logs, f"{model_name}-{label.replace(' ', '').replace('/', '_')}.log")
         print(f"  {label}: running (log {log}; 1-min load {os.getloadavg()[0]:.1f}) ...", flush=True)
@@ -329,8 +330,8 @@ def main() -> None:
                              "AVX-512 BF16 or AMX: float32 is the fairer race there)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cold-caches", action="store_true",
-                        help="give each engine process empty compile caches (Inductor's, vLLM's), so start-up "
-                             "includes compiling; by default caches left by earlier runs are used")
+                        help="give each engine process empty compile caches (Inductor's, vLLM's, fastgen's C++ kernel "
+                             "builds), so start-up includes compiling; by default caches left by earlier runs are used")
     parser.add_argument("--profile", action="store_true",
                         help="run fastgen's timed generation under torch.profiler and print where its time went, "
                              "with the seconds torch's own attention and matmul kernels took (slows its tok/s)")
