@@ -7,11 +7,11 @@ The LM head is packed too (`PackedLMHead`): it multiplies every sampled row by t
 A tied head keeps the embedding's plain weight beside the packed copy (the lookup needs it), so
 tying costs one more vocabulary x hidden matrix; an untied head drops its plain weight.
 
-Inputs of a few rows (batch-1 decode) may multiply faster over the plain weight split over the cores
-(`fastgen.ops.gemv`) than through the packed kernel (fp32; not bf16 where the CPU has bf16 dot
-products); `apply_packed_linear` does so when given that weight, which the linears keep only when
-asked (`gemv=True`, the plan's `gemv_weights`): a second copy of their weights, but for a tied head,
-whose plain weight the embedding keeps anyway.
+Inputs of a few rows (batch-1 decode) multiply faster over another form of the weight than through the
+packed kernel (`fastgen.ops.gemv.gemv_weight`): bf16 weights in the tiles of fastgen's C++ kernel where it
+builds, else the plain weight split over the cores (fp32). `apply_packed_linear` does so when given that form,
+which the linears keep only when asked (`gemv=True`, the plan's `gemv_weights`): a second copy of their
+weights, but for a tied head's plain weight, which the embedding keeps anyway (its bf16 tiles are a copy).
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ class PackedLinear(nn.Module):
 class PackedLMHead(nn.Module):
     """A loaded `ParallelLMHead` over a prepacked weight; `logits` as the head's (fp32, rank 0 only).
 
-    With `gemv`, a few sampled rows multiply over the plain weight instead (`gemv_linear` over
-    `threads` cores): a tied head's, which the embedding keeps anyway, or an untied head's, then kept too.
+    With `gemv`, a few sampled rows multiply over `gemv_weight`'s form of the weight instead (`gemv_linear`):
+    bf16 tiles (a copy), or the plain weight over `threads` cores: a tied head's, which the embedding keeps
+    anyway, or an untied head's, then kept too.
     """
 
     def __init__(self, head: ParallelLMHead, tied: bool, gemv: bool = False, threads: int = 1) -> None:

@@ -1,4 +1,4 @@
-"""Linears of a few rows (batch-1 decode) with the weight's output rows split over the CPU's cores.
+"""Linears of a few rows (batch-1 decode): the weight's output rows split over the CPU's cores, or bf16 tiles.
 
 At one to four rows a linear is a matrix-vector product (GEMV) that streams its whole weight for
 a handful of FLOPs, so its speed is the memory bandwidth it reaches. MKL's GEMV behind `F.linear`
@@ -18,6 +18,10 @@ fp32, 30 distinct weights so that none is read from the caches), GB/s of weight 
 against 19.6 GB/s for `torch.sum` over 256 MiB. From eight rows on the packed kernel is as fast and
 its lead grows with the rows, so `GEMV_MAX_ROWS` is 4. The sums run in another order than
 `F.linear`'s: results differ by fp32 rounding only.
+
+bf16 weights take fastgen's C++ kernel instead where it builds (`fastgen.ops.cpu_kernels.bf16`: 16 output
+columns interleaved, pair dots in per-column lanes): ~31 GB/s over SmolLM2-135M's 30 layers on a 2-core EPYC
+with AVX512-BF16, against ~18 for oneDNN's packed kernel and ~10 for ATen's `mv`.
 """
 
 from __future__ import annotations
@@ -66,8 +70,12 @@ def gemv_linear(x: torch.Tensor, grouped_weight: torch.Tensor, bias: torch.Tenso
     kernel, or `group_weight(W, groups)`, one `bmm` whose batch entries (output row slices) the CPU runs on
     separate cores."""
     if grouped_weight.dim() == 2:
+        op = bf16_matmul_op()
+        if op is None:
+            raise RuntimeError("bf16 tiles need fastgen's C++ CPU kernels, which are off or failed to build since "
+                               "the engine started (FASTGEN_CPU_KERNELS)")
         flat = x.reshape(-1, x.shape[-1])
-        out = bf16_matmul_op()(flat if flat.stride(-1) == 1 else flat.contiguous(), grouped_weight)
+        out = op(flat if flat.stride(-1) == 1 else flat.contiguous(), grouped_weight)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
     groups, rows_per_group, in_features = grouped_weight.shape

@@ -8,10 +8,10 @@ without that copy. Measured on a 2-core AMD EPYC (AVX2, fp32, the SmolLM2-135M s
 summation order (a few 1e-6 relative in fp32).
 
 `fastgen::packed_linear` is a custom op so `torch.compile` passes the packed weight (an opaque
-oneDNN tensor, which Inductor cannot lower) straight to the kernel. Given the plain weight too, as
-`fastgen.ops.gemv.gemv_weight`'s form (bf16 tiles for fastgen's C++ kernel, or a grouped view), an input of
-at most `GEMV_MAX_ROWS` rows multiplies over that instead (`gemv_linear`: faster at a few rows). The op picks at run time, so a compiled graph
-with a symbolic row count serves both without a recompile.
+oneDNN tensor, which Inductor cannot lower) straight to the kernel. Given the weight in
+`fastgen.ops.gemv.gemv_weight`'s form too (bf16 tiles for fastgen's C++ kernel, or a grouped view), an
+input of at most `GEMV_MAX_ROWS` rows multiplies over that instead (`gemv_linear`: faster at a few rows).
+The op picks at run time, so a compiled graph with a symbolic row count serves both without a recompile.
 """
 
 from __future__ import annotations
