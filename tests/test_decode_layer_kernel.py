@@ -60,7 +60,9 @@ def _step(chunks: list[tuple[int, int]], dtype: torch.dtype, kv_heads: int, head
 @pytest.mark.parametrize("model_type,quantization,dtype", [
     ("llama", "int4", torch.float32), ("llama", "int8", torch.float32), ("llama", "int4", torch.bfloat16),
     ("llama", "int8", torch.bfloat16), ("mistral", "int4", torch.bfloat16),  # a 12-token window, one KV head
-])
+    ("qwen2", "int4", torch.bfloat16), ("qwen3", "int8", torch.float32),  # q/k/v bias; per-head q/k RMSNorms
+    ("smollm3", "int8", torch.bfloat16),  # NoPE layers: no rotary
+], ids=lambda v: str(v).removeprefix("torch."))
 def test_op_equals_the_layer_forward(tiny_checkpoints, model_type, quantization, dtype):
     """Decode rows and short chunks of mixed lengths in one step (a fresh prompt, a chunk over cached tokens, decode
     rows past a block boundary and past a sliding window): each layer's op output and K/V write against the layer's
@@ -125,16 +127,25 @@ def test_engine_greedy_with_the_op_equals_without(tiny_checkpoints, monkeypatch)
 
 
 @pytest.mark.parametrize("model_type,quantization,group,reason", [
-    ("qwen2", "int4", 64, "has a bias"),
-    ("qwen3", "int4", 32, "q/k norms"),
-    ("llama", "int4", 32, "runs the int4_cpu kernel"),
+    ("qwen3", "int4", 32, "runs the int4_cpu kernel"),
     ("llama", "none", 64, "not an int4/int8/bf16-tiled linear"),
+    ("granite", "int8", 64, "has its own forward"),  # residual and embedding multipliers
+    ("olmo2", "int8", 64, "has no C++ decode-layer form"),  # post-norms
 ])
 def test_layers_it_refuses_say_why(tiny_checkpoints, model_type, quantization, group, reason):
+    from fastgen.executor.decode_layers import install_decode_layers
+
     model = load_model(tiny_checkpoints[model_type], dtype=torch.float32, progress=False, quantization=quantization,
                        quantization_group_size=group).model
-    got = model.layers[0].decode_layer_weights()
-    assert isinstance(got, str) and reason in got
+    counts = install_decode_layers(model.layers)
+    assert "" not in counts and any(reason in why for why in counts), counts
+
+
+def test_a_bias_it_does_not_add_is_refused(tiny_checkpoints):
+    model = load_model(tiny_checkpoints["llama"], dtype=torch.float32, progress=False, quantization="int8").model
+    assert isinstance(model.layers[0].decode_layer_weights(), DecodeLayerWeights)
+    model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.ones(model.config.hidden_size))
+    assert "o_proj has a bias" in model.layers[0].decode_layer_weights()
 
 
 def test_plan_chooses_and_refuses(tiny_checkpoints):

@@ -81,25 +81,26 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
   return out.to(x.scalar_type());
 }
 
-// HF's RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, rounded to T, times the weight (rounded to T).
+// HF's RMSNorm of one row of `dim` values: x * rsqrt(mean(x^2) + eps) in fp32, rounded to T, times the weight
+// (rounded to T). `y` may be `x`.
+template <typename T>
+void norm_row(const T* x, T* y, int64_t dim, const T* w, float eps) {
+  vf squares = vzero();
+  int64_t i = 0;
+  for (; i + W <= dim; i += W) squares = vfma(vload(x + i), vload(x + i), squares);
+  float sum = vsum(squares);
+  for (; i < dim; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  const float r = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
+  for (i = 0; i < dim; ++i) y[i] = static_cast<T>(rnd<T>(static_cast<float>(x[i]) * r) * static_cast<float>(w[i]));
+}
+
 template <typename T>
 at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& weight, double eps) {
   const int64_t rows = h.size(0), dim = h.size(1);
   at::Tensor out = at::empty_like(h);
-  const T* src = h.data_ptr<T>();
-  const T* w = weight.data_ptr<T>();
-  T* dst = out.data_ptr<T>();
   for (int64_t m = 0; m < rows; ++m) {
-    const T* x = src + m * dim;
-    vf squares = vzero();
-    int64_t i = 0;
-    for (; i + W <= dim; i += W) squares = vfma(vload(x + i), vload(x + i), squares);
-    float sum = vsum(squares);
-    for (; i < dim; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
-    const float r = 1.0f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
-    for (i = 0; i < dim; ++i) {
-      dst[m * dim + i] = static_cast<T>(rnd<T>(static_cast<float>(x[i]) * r) * static_cast<float>(w[i]));
-    }
+    norm_row(h.data_ptr<T>() + m * dim, out.data_ptr<T>() + m * dim, dim, weight.data_ptr<T>(),
+             static_cast<float>(eps));
   }
   return out;
 }
@@ -120,9 +121,9 @@ void silu_and_mul(const T* gate, const T* up, T* out, int64_t n) {
   }
 }
 
-// Heads `heads` of row m of `src` (stride `row` elements) rotated NeoX-style by position `pos` into `dst`
-// (contiguous `[heads, D]`): with half = rotary_dim / 2, [x1 c - x2 s, x2 c + x1 s] over the first rotary_dim
-// elements, each product and the sum rounded to T as torch's rotate-half does, the rest copied.
+// Heads `heads` of `src` (contiguous `[heads, D]`) rotated NeoX-style into `dst` (which may be `src`): with
+// half = rotary_dim / 2, [x1 c - x2 s, x2 c + x1 s] over the first rotary_dim elements, each product and the sum
+// rounded to T as torch's rotate-half does, the rest copied.
 template <typename T>
 void rotate(const T* src, T* dst, int64_t heads, int64_t dim, const float* cos_sin, int64_t rotary_dim) {
   const int64_t half = rotary_dim / 2;
@@ -139,82 +140,116 @@ void rotate(const T* src, T* dst, int64_t heads, int64_t dim, const float* cos_s
   }
 }
 
-template <typename T>
-at::Tensor run(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& cos_sin,
-               at::TensorList weights, at::IntArrayRef kinds, const at::Tensor& k_cache, const at::Tensor& v_cache,
-               const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-               const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-               double scale, int64_t sliding_window, double softcap, int64_t max_query_len) {
-  const int64_t rows = hidden.size(0), width = hidden.size(1);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const at::Tensor h = hidden.contiguous();
+// One layer's fixed arguments (see the op below).
+struct Layer {
+  at::TensorList weights;
+  at::IntArrayRef kinds;
+  at::Tensor cos_sin, qkv_bias, q_norm, k_norm;
+  int64_t num_heads, num_kv_heads, head_dim;
+  float eps, head_eps;
+  double scale;
+  int64_t sliding_window;
+  double softcap;
+};
 
-  const at::Tensor qkv = linear(rms_norm<T>(h, weights[0], eps), weights[1], weights[2], kinds[0]);
-  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "qkv_proj gives ", qkv.size(1), " columns, the heads need ",
-              q_size + 2 * kv_size);
-  at::Tensor q = at::empty({rows, num_heads, head_dim}, h.options());
-  at::Tensor k = at::empty({rows, num_kv_heads, head_dim}, h.options());
-  const int64_t rotary_dim = cos_sin.defined() ? cos_sin.size(1) : 0;
-  const T* qkv_p = qkv.data_ptr<T>();
+// The step's arguments: where the tokens sit and their sequences' KV.
+struct Step {
+  const at::Tensor& positions;
+  const at::Tensor& k_cache;
+  const at::Tensor& v_cache;
+  const at::Tensor& slot_mapping;
+  const at::Tensor& block_tables;
+  const at::Tensor& seq_lens;
+  const at::Tensor& query_start_loc;
+  int64_t max_query_len;
+};
+
+// q `[T, Hq, D]` and k `[T, Hkv, D]` of the step's rows from the q/k/v product (its bias already added): per head
+// RMSNorm where the layer has q/k norms, then the rotary.
+template <typename T>
+void queries_and_keys(const Layer& l, const Step& s, const at::Tensor& qkv, at::Tensor& q, at::Tensor& k) {
+  const int64_t rows = qkv.size(0), D = l.head_dim, q_size = l.num_heads * D, kv_size = l.num_kv_heads * D;
+  const int64_t rotary_dim = l.cos_sin.defined() ? l.cos_sin.size(1) : 0;
   for (int64_t m = 0; m < rows; ++m) {
-    const T* row = qkv_p + m * qkv.stride(0);
+    const T* row = qkv.data_ptr<T>() + m * qkv.stride(0);
     T* qm = q.data_ptr<T>() + m * q_size;
     T* km = k.data_ptr<T>() + m * kv_size;
+    std::copy(row, row + q_size, qm);
+    std::copy(row + q_size, row + q_size + kv_size, km);
+    if (l.q_norm.defined()) {
+      for (int64_t h = 0; h < l.num_heads; ++h) norm_row(qm + h * D, qm + h * D, D, l.q_norm.data_ptr<T>(), l.head_eps);
+      for (int64_t h = 0; h < l.num_kv_heads; ++h) {
+        norm_row(km + h * D, km + h * D, D, l.k_norm.data_ptr<T>(), l.head_eps);
+      }
+    }
     if (rotary_dim > 0) {
-      const int64_t pos = positions.data_ptr<int64_t>()[m];
-      TORCH_CHECK(pos >= 0 && pos < cos_sin.size(0), "position ", pos, " is beyond the rotary cache's ",
-                  cos_sin.size(0));
-      const float* cs = cos_sin.data_ptr<float>() + pos * rotary_dim;
-      rotate<T>(row, qm, num_heads, head_dim, cs, rotary_dim);
-      rotate<T>(row + q_size, km, num_kv_heads, head_dim, cs, rotary_dim);
-    } else {
-      std::copy(row, row + q_size, qm);
-      std::copy(row + q_size, row + q_size + kv_size, km);
+      const int64_t pos = s.positions.data_ptr<int64_t>()[m];
+      TORCH_CHECK(pos >= 0 && pos < l.cos_sin.size(0), "position ", pos, " is beyond the rotary cache's ",
+                  l.cos_sin.size(0));
+      const float* cs = l.cos_sin.data_ptr<float>() + pos * rotary_dim;
+      rotate<T>(qm, qm, l.num_heads, D, cs, rotary_dim);
+      rotate<T>(km, km, l.num_kv_heads, D, cs, rotary_dim);
     }
   }
-  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
+}
+
+// a + b elementwise over `n` values into a, rounded to T (a residual add, or a bias broadcast by the caller).
+template <typename T>
+void add_into(T* a, const T* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) a[i] = static_cast<T>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+}
+
+template <typename T>
+at::Tensor run(const at::Tensor& hidden, const Layer& l, const Step& s) {
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  const int64_t q_size = l.num_heads * l.head_dim, kv_size = l.num_kv_heads * l.head_dim;
+  const at::Tensor h = hidden.contiguous();
+  const at::TensorList w = l.weights;
+
+  const at::Tensor qkv = linear(rms_norm<T>(h, w[0], l.eps), w[1], w[2], l.kinds[0]);
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size && qkv.is_contiguous(), "qkv_proj gives ", qkv.size(1),
+              " columns, the heads need ", q_size + 2 * kv_size);
+  if (l.qkv_bias.defined()) {
+    for (int64_t m = 0; m < rows; ++m) add_into(qkv.data_ptr<T>() + m * qkv.size(1), l.qkv_bias.data_ptr<T>(), qkv.size(1));
+  }
+  at::Tensor q = at::empty({rows, l.num_heads, l.head_dim}, h.options());
+  at::Tensor k = at::empty({rows, l.num_kv_heads, l.head_dim}, h.options());
+  queries_and_keys<T>(l, s, qkv, q, k);
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, l.num_kv_heads, l.head_dim});
   const at::Tensor attended =
-      attention_op().call(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                          sliding_window, softcap, std::nullopt, 0, max_query_len);
+      attention_op().call(q, k, v, s.k_cache, s.v_cache, s.slot_mapping, s.block_tables, s.seq_lens, s.query_start_loc,
+                          l.scale, l.sliding_window, l.softcap, std::nullopt, 0, s.max_query_len);
   TORCH_CHECK(attended.defined(), "the paged decode kernel does not take this layer's tensors");
-  const at::Tensor o = linear(attended.view({rows, q_size}), weights[3], weights[4], kinds[1]);
+  const at::Tensor o = linear(attended.view({rows, q_size}), w[3], w[4], l.kinds[1]);
 
   // The residual stream after attention, rounded to T as the layer's `hidden + attn` is.
-  at::Tensor out = at::empty_like(h);
-  const T* hp = h.data_ptr<T>();
-  const T* op = o.data_ptr<T>();
-  T* outp = out.data_ptr<T>();
-  for (int64_t i = 0; i < rows * width; ++i) {
-    outp[i] = static_cast<T>(static_cast<float>(hp[i]) + static_cast<float>(op[i]));
-  }
+  at::Tensor out = h.clone();
+  add_into(out.data_ptr<T>(), o.data_ptr<T>(), rows * width);
 
-  const at::Tensor gate_up = linear(rms_norm<T>(out, weights[5], eps), weights[6], weights[7], kinds[2]);
+  const at::Tensor gate_up = linear(rms_norm<T>(out, w[5], l.eps), w[6], w[7], l.kinds[2]);
   const int64_t inter = gate_up.size(1) / 2;
   at::Tensor act = at::empty({rows, inter}, h.options());
   const T* gu = gate_up.data_ptr<T>();
-  T* ap = act.data_ptr<T>();
   for (int64_t m = 0; m < rows; ++m) {
-    silu_and_mul(gu + m * 2 * inter, gu + m * 2 * inter + inter, ap + m * inter, inter);
+    silu_and_mul(gu + m * 2 * inter, gu + m * 2 * inter + inter, act.data_ptr<T>() + m * inter, inter);
   }
-  const at::Tensor down = linear(act, weights[8], weights[9], kinds[3]);
-  const T* dp = down.data_ptr<T>();
-  for (int64_t i = 0; i < rows * width; ++i) {
-    outp[i] = static_cast<T>(static_cast<float>(outp[i]) + static_cast<float>(dp[i]));
-  }
+  add_into(out.data_ptr<T>(), linear(act, w[8], w[9], l.kinds[3]).data_ptr<T>(), rows * width);
   return out;
 }
 
 // The op. weights: input_layernorm.weight, qkv_proj (2 tensors), o_proj (2), post_attention_layernorm.weight,
 // gate_up_proj (2), down_proj (2); kinds: one per linear (int4 group size, 0 for Q8_0, -1 for bf16 tiles).
 // cos_sin: the rotary cache `[positions, rotary_dim]` fp32 (cos then sin), none for a layer without rotary.
-// The attention arguments are fastgen::paged_attention's; every sequence of the step must have at most
-// `max_query_len` query tokens (the kernel attends only those).
+// qkv_bias: q/k/v's bias (none: no bias); q_norm, k_norm: per-head RMSNorm weights `[head_dim]` (with `head_eps`)
+// applied before the rotary (none: no head norms). The attention arguments are fastgen::paged_attention's; every
+// sequence of the step must have at most `max_query_len` query tokens (the kernel attends only those).
 at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, const std::optional<at::Tensor>& cos_sin,
-                        at::TensorList weights, at::IntArrayRef kinds, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t sliding_window,
-                        double softcap, int64_t max_query_len) {
+                        at::TensorList weights, at::IntArrayRef kinds, const std::optional<at::Tensor>& qkv_bias,
+                        const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                        const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double head_eps,
+                        double scale, int64_t sliding_window, double softcap, int64_t max_query_len) {
   TORCH_CHECK(hidden.dim() == 2 && weights.size() == 10 && kinds.size() == 4,
               "hidden [T, H], 10 weight tensors and 4 linear kinds");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == hidden.size(0),
@@ -223,24 +258,23 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, c
   TORCH_CHECK(!cs.defined() || (cs.scalar_type() == at::kFloat && cs.dim() == 2 && cs.size(1) % 2 == 0 &&
                                 cs.size(1) <= head_dim),
               "cos_sin must be fp32 [positions, even rotary_dim <= head_dim]");
-  for (const int64_t i : {0, 5}) {
-    TORCH_CHECK(weights[i].scalar_type() == hidden.scalar_type() && weights[i].is_contiguous() &&
-                    weights[i].numel() == hidden.size(1),
-                "the norms' weights must be contiguous, of hidden's dtype and width");
-  }
+  auto own = [&](const std::optional<at::Tensor>& t, int64_t numel, const char* what) {
+    if (!t.has_value()) return at::Tensor();
+    TORCH_CHECK(t->scalar_type() == hidden.scalar_type() && t->is_contiguous() && t->numel() == numel, what,
+                " must be contiguous, of hidden's dtype, ", numel, " values");
+    return *t;
+  };
+  own(weights[0], hidden.size(1), "the norms' weights");
+  own(weights[5], hidden.size(1), "the norms' weights");
+  const Layer layer{weights, kinds, cs, own(qkv_bias, (num_heads + 2 * num_kv_heads) * head_dim, "qkv_bias"),
+                    own(q_norm, head_dim, "q_norm"), own(k_norm, head_dim, "k_norm"), num_heads, num_kv_heads,
+                    head_dim, static_cast<float>(eps), static_cast<float>(head_eps), scale, sliding_window, softcap};
+  TORCH_CHECK(layer.q_norm.defined() == layer.k_norm.defined(), "q_norm and k_norm come together");
+  const Step step{positions, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len};
   switch (hidden.scalar_type()) {
-    case at::kFloat:
-      return run<float>(hidden, positions, cs, weights, kinds, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-                        query_start_loc, num_heads, num_kv_heads, head_dim, eps, scale, sliding_window, softcap,
-                        max_query_len);
-    case at::kBFloat16:
-      return run<c10::BFloat16>(hidden, positions, cs, weights, kinds, k_cache, v_cache, slot_mapping, block_tables,
-                                seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, eps, scale,
-                                sliding_window, softcap, max_query_len);
-    case at::kHalf:
-      return run<c10::Half>(hidden, positions, cs, weights, kinds, k_cache, v_cache, slot_mapping, block_tables,
-                            seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, eps, scale, sliding_window,
-                            softcap, max_query_len);
+    case at::kFloat: return run<float>(hidden, layer, step);
+    case at::kBFloat16: return run<c10::BFloat16>(hidden, layer, step);
+    case at::kHalf: return run<c10::Half>(hidden, layer, step);
     default: TORCH_CHECK(false, "unsupported dtype ", hidden.scalar_type());
   }
 }
@@ -251,10 +285,10 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& positions, c
 
 TORCH_LIBRARY_FRAGMENT(fastgen, m) {
   m.def(FASTGEN_DECODE_LAYER_OP
-        "(Tensor hidden, Tensor positions, Tensor? cos_sin, Tensor[] weights, int[] kinds, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int sliding_window, float softcap, "
-        "int max_query_len) -> Tensor");
+        "(Tensor hidden, Tensor positions, Tensor? cos_sin, Tensor[] weights, int[] kinds, Tensor? qkv_bias, "
+        "Tensor? q_norm, Tensor? k_norm, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, "
+        "float eps, float head_eps, float scale, int sliding_window, float softcap, int max_query_len) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastgen, CPU, m) { m.impl(FASTGEN_DECODE_LAYER_OP, &decode_layer); }

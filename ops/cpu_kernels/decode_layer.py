@@ -2,8 +2,8 @@
 
 At batch 1 a layer's kernels are about half its time; the other half is the Python around them, whichever way
 the layer runs (a compiled graph's guards and wrapper, or eager op calls). This op runs the whole layer
-(RMSNorm, q/k/v, rotary, the paged attention with its KV write, output projection, residual, RMSNorm,
-gate/up, SiLU-and-mul, down, residual) from C++, calling the same kernels: fastgen's int4 or Q8_0 linears
+(RMSNorm, q/k/v with its bias, per-head q/k RMSNorms, rotary, the paged attention with its KV write, output
+projection, residual, RMSNorm, gate/up, SiLU-and-mul, down, residual) from C++, calling the same kernels: fastgen's int4 or Q8_0 linears
 and its paged decode attention. The model decides which layers it can take (`DecodeLayerWeights`); a step
 takes it where the attention kernel serves every row (`DecodeLayerStep`).
 """
@@ -40,6 +40,14 @@ class DecodeLayerWeights:
     """Per linear (qkv, o, gate_up, down): its int4 group size, or `Q8_0_KIND`."""
     cos_sin: torch.Tensor | None
     """The rotary cache, fp32 `[positions, rotary_dim]` (cos then sin, NeoX rotate-half); None: no rotary."""
+    qkv_bias: torch.Tensor | None
+    """q/k/v's bias (Qwen2), added to the product; None: none."""
+    q_norm: torch.Tensor | None
+    """Per-head RMSNorm weight `[head_dim]` of the queries before the rotary (Qwen3); None: no head norms."""
+    k_norm: torch.Tensor | None
+    """The keys' per-head RMSNorm weight (with `q_norm`)."""
+    head_eps: float
+    """The head norms' epsilon."""
     num_heads: int
     """Query heads."""
     num_kv_heads: int
@@ -77,9 +85,10 @@ class DecodeLayerStep:
     def run(self, layer: DecodeLayerWeights, hidden: torch.Tensor, positions: torch.Tensor,
             kv_cache: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor) -> torch.Tensor:
         """The layer's output `[T, H]` for `hidden` `[T, H]`, the step's K/V written into `kv_cache`."""
-        return self.op(hidden, positions, layer.cos_sin, layer.weights, layer.kinds, kv_cache[0], kv_cache[1],
-                       slot_mapping, *self.kernel.metadata, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                       layer.eps, layer.scale, layer.sliding_window, layer.softcap, self.kernel.max_query_len)
+        return self.op(hidden, positions, layer.cos_sin, layer.weights, layer.kinds, layer.qkv_bias, layer.q_norm,
+                       layer.k_norm, kv_cache[0], kv_cache[1], slot_mapping, *self.kernel.metadata, layer.num_heads,
+                       layer.num_kv_heads, layer.head_dim, layer.eps, layer.head_eps, layer.scale, layer.sliding_window,
+                       layer.softcap, self.kernel.max_query_len)
 
 
 def plan_decode_layer_step(num_tokens: int, kernel: KernelStep | None) -> DecodeLayerStep | None:
