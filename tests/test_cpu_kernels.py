@@ -340,8 +340,8 @@ def test_no_compiler_falls_back_with_one_log_line(tmp_path):
 
 def test_second_process_reuses_the_build(kernel_isa):
     """A later process loads the cached library: nothing under the build directory is rewritten."""
-    directory = build_dir(kernel_isa)
-    library = os.path.join(directory, f"fastgen_cpu_kernels_{kernel_isa}.so")
+    directory = build_dir(kernel_isa, "paged_decode")
+    library = os.path.join(directory, f"fastgen_paged_decode_{kernel_isa}.so")
     before = os.stat(library).st_mtime_ns
     done = _run_python(_DECODE_TWICE.format(tests=os.path.dirname(__file__)))
     assert done.returncode == 0 and "unavailable" not in done.stderr, done.stderr[-2000:]

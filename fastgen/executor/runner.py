@@ -31,8 +31,10 @@ from fastgen.executor.decode_layers import install_decode_layers
 from fastgen.executor.host_allocator import keep_host_temporaries
 from fastgen.executor.offload import STREAMER_ATTR, install_offload, new_streamer
 from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, StepTensors, pick_bucket
+from fastgen.ops.cpu_kernels import prebuild
 from fastgen.ops.kv_cache import allocate_kv_cache
 from fastgen.ops.prefault import prefault_in_background
+from fastgen.planning.cpu_kernels_plan import plan_kernels
 from fastgen.planning.plan import COMPILE_MODES, Plan
 
 logger = logging.getLogger("fastgen")
@@ -79,6 +81,8 @@ def load_for_spec(spec: RunnerSpec, device: torch.device, parallel: TensorParall
     offload each decoder layer moves to the streamer's source as soon as it is loaded."""
     streamer = new_streamer(spec, device)
     plan = spec.plan
+    if device.type == "cpu":  # the plan's C++ kernels build side by side while the weights load
+        prebuild(plan_kernels(plan))
     loaded = load_model(spec.model_dir, dtype=plan.dtype, device=device, progress=progress, parallel=parallel,
                         quantization=plan.quantization, quantization_group_size=plan.quantization_group_size,
                         on_layer_loaded=streamer and streamer.adopt)

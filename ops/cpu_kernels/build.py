@@ -1,11 +1,13 @@
-"""Building the C++ CPU kernels at first use, and reusing the build in every later process.
+"""Building the C++ CPU kernels at first use, and reusing the builds in every later process.
 
 The sources ship in the package and are compiled by torch's extension toolchain
-(`torch.utils.cpp_extension.load`: the compiler and headers Inductor's CPU backend needs anyway) into
-`$FASTGEN_CACHE/cpu_kernels/<isa>-<key>`, one library per variant, where the key hashes the sources, the
-variant's flags, torch's version and the compiler. A second process finds the library there and only
-loads it. Where the build fails (no compiler, no ninja, a compiler error) the caller gets None and one
-log line, and every kernel's caller runs its torch path.
+(`torch.utils.cpp_extension.load`: the compiler and headers Inductor's CPU backend needs anyway), each kernel
+(`<name>.cpp`) into a library of its own under `$FASTGEN_CACHE/cpu_kernels/<isa>-<name>-<key>`, where the key
+hashes the source, the headers, the variant's flags, torch's version and the compiler. A process builds only the
+kernels its plan uses (`prebuild` starts them side by side while the model loads; each kernel's first caller
+waits for its build): a source costs ~8-13 s of one core, ~4 s of it torch's headers (2-core EPYC). A second
+process finds the libraries there and only loads them. Where a build fails (no compiler, no ninja, a compiler
+error) the caller gets None and one log line per variant, and every kernel's caller runs its torch path.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -26,25 +29,35 @@ from fastgen.ops.cpu_kernels.isa import ISA_FLAGS, cpu_kernel_isa
 
 logger = logging.getLogger("fastgen")
 
-SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("paged_decode.cpp", "lora_delta.cpp",
-                                                                               "q8_matmul.cpp", "q4_matmul.cpp",
-                                                                               "bf16_matmul.cpp", "decode_layer.cpp"))
-"""The kernels' C++ sources, compiled into one library."""
+KERNELS = ("paged_decode", "lora_delta", "q8_matmul", "q4_matmul", "bf16_matmul", "decode_layer")
+"""The kernels, each the source `<name>.cpp` built into its own library (its ops are `fastgen::<name>_<isa>`;
+`decode_layer` calls the others' ops, which their own users load)."""
 
 HEADERS = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("simd.h", "int8_dot.h", "tiles.h"))
-"""Headers the sources include (part of the build's key)."""
+"""Headers the sources include (part of every build's key)."""
 
 
-def build_dir(isa: str) -> str:
-    """Where variant `isa` of the current sources is built for this torch and compiler."""
+def kernels_dir() -> str:
+    """Where the kernels are built: one directory per kernel, variant and key below it."""
+    return os.path.join(fastgen_cache_dir(), "cpu_kernels")
+
+
+def _source(name: str) -> str:
+    if name not in KERNELS:
+        raise ValueError(f"unknown C++ CPU kernel {name!r} (kernels: {', '.join(KERNELS)})")
+    return os.path.join(os.path.dirname(__file__), f"{name}.cpp")
+
+
+def build_dir(isa: str, name: str) -> str:
+    """Where kernel `name`'s variant `isa` of the current sources is built for this torch and compiler."""
     digest = hashlib.sha256()
-    for path in SOURCES + HEADERS:
+    for path in (_source(name), *HEADERS):
         with open(path, "rb") as f:
             digest.update(f.read())
     digest.update(" ".join(ISA_FLAGS[isa]).encode())
     digest.update(torch.__version__.encode())
     digest.update(os.environ.get("CXX", "c++").encode())
-    return os.path.join(fastgen_cache_dir(), "cpu_kernels", f"{isa}-{digest.hexdigest()[:16]}")
+    return os.path.join(kernels_dir(), f"{isa}-{name}-{digest.hexdigest()[:16]}")
 
 
 # A build takes well under a minute; a lock older than this was left by a process killed mid-build.
@@ -60,36 +73,70 @@ def _drop_stale_lock(directory: str) -> None:
 
 
 @functools.cache
-def _load_library(isa: str) -> bool:
-    """Build variant `isa` (or find it in the cache) and load it into this process, once; False, logged
-    once, when it cannot be built."""
-    directory = build_dir(isa)
-    name = f"fastgen_cpu_kernels_{isa}"
+def _build_lock(name: str, isa: str) -> threading.Lock:
+    """Held while this process builds or loads kernel `name`'s variant `isa` (a `prebuild` thread, or a caller)."""
+    return threading.Lock()
+
+
+@functools.cache
+def _failed(isa: str) -> threading.Event:
+    """Set once a kernel of variant `isa` failed to build in this process (its failure is logged, later ones not)."""
+    return threading.Event()
+
+
+def _unavailable(isa: str, line: str) -> None:
+    """The one log line of a variant whose kernels cannot be built: its first failure's reason."""
+    if not _failed(isa).is_set():
+        _failed(isa).set()
+        logger.warning("C++ CPU kernels (%s) unavailable, their callers stay on the torch path: %s", isa, line)
+
+
+def _load_library(name: str, isa: str) -> bool:
+    """Build kernel `name`'s variant `isa` (or find it in the cache) and load it into this process, once; False,
+    logged once a variant, when it cannot be built. A caller waits for a build another thread started."""
+    with _build_lock(name, isa):
+        return _load_once(name, isa)
+
+
+@functools.cache
+def _load_once(name: str, isa: str) -> bool:
+    directory = build_dir(isa, name)
     start = time.perf_counter()
     try:
         import torch.utils.cpp_extension  # noqa: PLC0415 - setuptools and friends, only when a kernel is built
 
         os.makedirs(directory, exist_ok=True)
         _drop_stale_lock(directory)
-        torch.utils.cpp_extension.load(name=name, sources=list(SOURCES),
+        torch.utils.cpp_extension.load(name=f"fastgen_{name}_{isa}", sources=[_source(name)],
                                        extra_cflags=[*ISA_FLAGS[isa], f"-DFASTGEN_ISA={isa}"],
                                        extra_include_paths=[os.path.dirname(HEADERS[0])], extra_ldflags=["-fopenmp"],
                                        build_directory=directory, is_python_module=False)
     except Exception as exc:  # noqa: BLE001 - any failure to build means the torch path, never an error
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        logger.warning("C++ CPU kernels (%s) unavailable, their callers stay on the torch path: %s", isa, lines[0])
+        _unavailable(isa, lines[0])
         return False
-    logger.info("C++ CPU kernels (%s) ready in %.1f s from %s", isa, time.perf_counter() - start, directory)
+    logger.info("C++ CPU kernel %s (%s) ready in %.1f s from %s", name, isa, time.perf_counter() - start, directory)
     return True
+
+
+def prebuild(names: Iterable[str]) -> list[threading.Thread]:
+    """Start building (or loading) the kernels `names` of the variant this process runs, side by side, each on a
+    daemon thread; returns the threads (none where the kernels are off). Their first callers wait for them."""
+    isa = cpu_kernel_isa()
+    if isa is None:
+        return []
+    threads = [threading.Thread(target=_load_library, args=(name, isa), name=f"fastgen-build-{name}", daemon=True)
+               for name in dict.fromkeys(names)]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 @functools.cache
 def kernel_op(name: str, isa: str) -> torch._ops.OpOverloadPacket | None:
-    """`fastgen::<name>_<isa>`, one of the library's ops (`paged_decode`, `lora_delta`, `q8_matmul`, `q4_matmul`,
-    `bf16_matmul`, `decode_layer`:
-    the source of that name), built or found in the cache on the first call of a process; None when it cannot
-    be built."""
-    return getattr(torch.ops.fastgen, f"{name}_{isa}") if _load_library(isa) else None
+    """`fastgen::<name>_<isa>`, the op of kernel `name` (one of `KERNELS`), built or found in the cache on the first
+    call of a process; None when it cannot be built."""
+    return getattr(torch.ops.fastgen, f"{name}_{isa}") if _load_library(name, isa) else None
 
 
 def traced_op(name: str, fake: Callable[..., Any]) -> torch._ops.OpOverload | None:
