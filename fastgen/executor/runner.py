@@ -32,9 +32,9 @@ from fastgen.executor.host_allocator import keep_host_temporaries
 from fastgen.executor.offload import STREAMER_ATTR, install_offload, new_streamer
 from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, StepTensors, pick_bucket
 from fastgen.ops.cpu_kernels import prebuild
+from fastgen.ops.cpu_kernels.q4 import CHUNK as Q4_CHUNK
 from fastgen.ops.kv_cache import allocate_kv_cache
 from fastgen.ops.prefault import prefault_in_background
-from fastgen.planning.cpu_kernels_plan import plan_kernels
 from fastgen.planning.plan import COMPILE_MODES, Plan
 
 logger = logging.getLogger("fastgen")
@@ -73,6 +73,18 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     caches as the model's family reads them (Gemma 4's KV-sharing layers own none)."""
     family_config = get_model_class(config.model_type).model_config(config)
     return block_size * family_config.kv_bytes_per_token(dtype)
+
+
+def plan_kernels(plan: Plan) -> tuple[str, ...]:
+    """The C++ CPU kernels (`fastgen.ops.cpu_kernels.KERNELS`) a CPU plan calls, which its runner builds side by
+    side while the model loads (`prebuild`) rather than one after another at each one's first call."""
+    wanted = {"paged_decode": plan.attention_backend == "cpu",
+              "q4_matmul": plan.quantization == "int4" and plan.quantization_group_size % Q4_CHUNK == 0,
+              "q8_matmul": plan.quantization == "int8" or plan.lm_head_quantization == "q8_0",
+              "bf16_matmul": plan.gemv_weights and plan.dtype == torch.bfloat16,
+              "decode_layer": plan.decode_layer_kernel,
+              "lora_delta": plan.enable_lora}
+    return tuple(name for name, used in wanted.items() if used)
 
 
 def load_for_spec(spec: RunnerSpec, device: torch.device, parallel: TensorParallel = SINGLE,

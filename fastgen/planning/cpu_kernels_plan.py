@@ -3,14 +3,11 @@ the decode-layer op."""
 
 from __future__ import annotations
 
-import torch
-
 from fastgen.ops.cpu_kernels import (ENV_VAR, ISA_NOTES, MAX_QUERY_LEN, isas_from_flags, kernels_dir, pick_isa,
                                      requested_isa)
 from fastgen.ops.cpu_kernels.decode_layer import MAX_ROWS
 from fastgen.ops.cpu_kernels.q4 import CHUNK
 from fastgen.planning.hardware import Hardware, cpu_kernel_blocker
-from fastgen.planning.plan import Plan
 
 
 def choose_cpu_attention(hw: Hardware) -> tuple[str, str]:
@@ -68,14 +65,3 @@ def choose_decode_layer_kernel(blocker: str | None) -> tuple[bool, str]:
                   "layer compiled, ~120 us as one call, 105 -> 142 tok/s); larger steps, and layers of another "
                   "shape, keep the compiled forward")
 
-
-def plan_kernels(plan: Plan) -> tuple[str, ...]:
-    """The C++ CPU kernels (`fastgen.ops.cpu_kernels.KERNELS`) a CPU plan calls, which its runner builds side by
-    side while the model loads (`prebuild`) rather than one after another at each one's first call."""
-    wanted = {"paged_decode": plan.attention_backend == "cpu",
-              "q4_matmul": plan.quantization == "int4" and plan.quantization_group_size % CHUNK == 0,
-              "q8_matmul": plan.quantization == "int8" or plan.lm_head_quantization == "q8_0",
-              "bf16_matmul": plan.gemv_weights and plan.dtype == torch.bfloat16,
-              "decode_layer": plan.decode_layer_kernel,
-              "lora_delta": plan.enable_lora}
-    return tuple(name for name, used in wanted.items() if used)
