@@ -64,4 +64,3 @@ def choose_decode_layer_kernel(blocker: str | None) -> tuple[bool, str]:
                   "layer's kernels costs as much as the kernels (2-core EPYC, SmolLM2-135M int4 decode: ~300 us a "
                   "layer compiled, ~120 us as one call, 105 -> 142 tok/s); larger steps, and layers of another "
                   "shape, keep the compiled forward")
-
