@@ -1,10 +1,12 @@
-// One pre-norm decoder layer (RMSNorm, merged q/k/v, rotary, paged attention, output projection, residual,
-// RMSNorm, merged gate/up, SiLU-and-mul, down projection, residual) as one call, for steps of few rows.
+// One pre-norm decoder layer (RMSNorm, merged q/k/v with its optional bias and per-head q/k RMSNorms, rotary,
+// paged attention, output projection, residual, RMSNorm, merged gate/up, SiLU-and-mul, down projection,
+// residual) as one call, for steps of few rows.
 //
 // At batch 1 a layer's kernels take ~130 us and the compiled graph that calls them as much again in Python: its
 // guards, its size arguments and Inductor's wrapper (2-core EPYC, SmolLM2-135M int4: 300 us a layer, 30 layers a
-// token). Here the same kernels (q4_matmul / q8_matmul for the linears, paged_decode for the attention and its
-// KV write) are called from C++ through torch's dispatcher, and the glue between them is plain loops. Each
+// token). Here the same kernels (q4_matmul / q8_matmul / bf16_matmul for the linears, paged_decode for the
+// attention and its KV write) are called from C++ through torch's dispatcher, and the glue between them is plain
+// loops. Each
 // rounding to the activations' dtype happens where the layer's torch forward rounds (RMSNorm's cast before its
 // weight, the rotary's products and sum, SiLU before the product), so the result is the eager layer's to within
 // the order of fp32 sums.
@@ -44,7 +46,8 @@ using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
                                const at::Tensor&, double, int64_t, double, const std::optional<at::Tensor>&, int64_t,
                                int64_t);
 
-// The sibling kernels of this variant, looked up once (they register with this library).
+// The sibling kernels of this variant, looked up at their first call (each is its own library, loaded by the
+// layer that packed the weights it multiplies, or by the attention's step plan).
 const c10::TypedOperatorHandle<Q4Fn>& q4_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow(FASTGEN_OP_NAME("q4_matmul"), "").typed<Q4Fn>();
