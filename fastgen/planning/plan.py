@@ -202,9 +202,9 @@ class Plan:
         _check_choice(LM_HEAD_QUANTIZATIONS))
     decode_layer_kernel: bool = plan_field(
         "on a CPU, run each decoder layer of a step of few rows (decode, verification rows, short prompt chunks) as "
-        "one call of fastgen's C++ decode-layer op (norms, int4/int8 linears, rotary, paged attention, SiLU MLP) "
-        "instead of its compiled graph; layers of another shape keep their forward", "bool | None", parse_bool,
-        _check_bool)
+        "one call of fastgen's C++ decode-layer op (norms, int4/int8 or bf16-tile linears, rotary, paged attention, "
+        "SiLU MLP) instead of its compiled graph; layers of another shape keep their forward", "bool | None",
+        parse_bool, _check_bool)
     tensor_parallel: int = plan_field(
         "ranks each replica's weights and KV cache are split over (one per GPU; on a CPU they share the cores; "
         "WORLD_SIZE under torchrun)", "int | None", int, _check_positive_int)

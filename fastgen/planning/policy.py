@@ -137,10 +137,10 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
         if not prepack:
             raise ValueError("gemv_weights=True needs weight_prepack: without it every linear already keeps its "
                              "plain weight")
-        copy = _gemv_copy_bytes(model, dtype, dtype == torch.bfloat16 and cpu_kernel_blocker(hardware) is None)
+        copy = _gemv_copy_bytes(model, dtype, _bf16_tiles(hardware, dtype))
         weights += copy
         if "gemv_weights" in user:
-            reasons["gemv_weights"] += f"; the plain copies take {format_bytes(copy)} more"
+            reasons["gemv_weights"] += f"; the copies take {format_bytes(copy)} more"
     reasons["weight_memory"] = stream.weight_memory_reason
     compile_mode = pick("compile", lambda: _choose_compile(model, hardware, prepack))
     if stream.offload != "none" and graphs:
@@ -421,6 +421,11 @@ GEMV_COPY_SHARE = 0.1
 available RAM."""
 
 
+def _bf16_tiles(hw: Hardware, dtype: torch.dtype) -> bool:
+    """Whether `gemv_weights` keeps bf16 tiles for fastgen's C++ kernel (where it builds) rather than plain weights."""
+    return dtype == torch.bfloat16 and cpu_kernel_blocker(hw) is None
+
+
 def _gemv_copy_bytes(model: ModelFacts, dtype: torch.dtype, tiles: bool = False) -> int:
     """Bytes `gemv_weights` keeps besides the packed weights: the decoder layers' plain weights (or, `tiles`, their
     copies in fastgen's bf16 kernel layout), and the LM head's (a tied head's plain weight is the embedding's,
@@ -447,7 +452,7 @@ def _choose_gemv_weights(model: ModelFacts, hw: Hardware, dtype: torch.dtype, pr
     dot products (AVX512-BF16, AMX) and no C++ kernel, which oneDNN's packed kernel uses."""
     if not prepack:
         return False, "weight_prepack is off: every linear multiplies its plain weight"
-    tiles = dtype == torch.bfloat16 and cpu_kernel_blocker(hw) is None
+    tiles = _bf16_tiles(hw, dtype)
     native = sorted(hw.cpu_flags & {"avx512_bf16", "amx_bf16"})
     if dtype == torch.bfloat16 and native and not tiles:
         return False, (f"bf16 weights on a CPU with {' and '.join(native)}: oneDNN's packed kernel multiplies them "

@@ -48,24 +48,24 @@ using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
 
 // The sibling kernels of this variant, looked up at their first call (each is its own library, loaded by the
 // layer that packed the weights it multiplies, or by the attention's step plan).
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> sibling(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
 const c10::TypedOperatorHandle<Q4Fn>& q4_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow(FASTGEN_OP_NAME("q4_matmul"), "").typed<Q4Fn>();
+  static const auto op = sibling<Q4Fn>(FASTGEN_OP_NAME("q4_matmul"));
   return op;
 }
 const c10::TypedOperatorHandle<Q8Fn>& q8_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow(FASTGEN_OP_NAME("q8_matmul"), "").typed<Q8Fn>();
+  static const auto op = sibling<Q8Fn>(FASTGEN_OP_NAME("q8_matmul"));
   return op;
 }
 const c10::TypedOperatorHandle<Bf16Fn>& bf16_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow(FASTGEN_OP_NAME("bf16_matmul"), "").typed<Bf16Fn>();
+  static const auto op = sibling<Bf16Fn>(FASTGEN_OP_NAME("bf16_matmul"));
   return op;
 }
 const c10::TypedOperatorHandle<AttentionFn>& attention_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow(FASTGEN_OP_NAME("paged_decode"), "").typed<AttentionFn>();
+  static const auto op = sibling<AttentionFn>(FASTGEN_OP_NAME("paged_decode"));
   return op;
 }
 

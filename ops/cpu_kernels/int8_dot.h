@@ -1,6 +1,5 @@
 // Integer dot products shared by the quantized-weight kernels (q8_matmul.cpp, q4_matmul.cpp): u8 x s8 products
-// summed in fours into int32 lanes, and the horizontal sum of an fp32 vector. Every kernel source includes this
-// inside its own anonymous namespace.
+// summed in fours into int32 lanes. Every kernel source includes this inside its own anonymous namespace.
 
 #pragma once
 
@@ -23,10 +22,3 @@ inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
 #endif
 }
 #endif
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
