@@ -415,3 +415,29 @@ def test_plan_names_the_kernel_and_its_isa(smollm2_facts, monkeypatch):
     monkeypatch.delenv(ENV_VAR)
     none = make_plan(smollm2_facts, _epyc(""))
     assert none.attention_backend == "torch" and "no C++ compiler" in none.reasons["attention_backend"]
+
+
+def test_a_runner_builds_the_kernels_its_plan_uses(kernel_isa, tiny_checkpoints, monkeypatch):
+    """`plan_kernels` names what a plan calls (no LoRA kernel without LoRA, the int4 and Q8_0 head kernels for an
+    int4 plan); `prebuild` loads them on threads the first callers then find done; an unknown kernel is refused by
+    name; with the kernels off nothing is started."""
+    from fastgen.executor.runner import plan_kernels
+    from fastgen.ops.cpu_kernels import KERNELS, prebuild
+
+    facts = model_facts(tiny_checkpoints["llama"])
+    hardware = Hardware("cpu", 2, frozenset({"avx2", "avx512f", "avx512_bf16"}), "AVX512", 24 << 30,
+                        cpp_compiler="c++")
+    fp32 = plan_kernels(make_plan(facts, hardware, dtype="float32"))
+    assert fp32 == ("paged_decode",)
+    int4 = plan_kernels(make_plan(facts, hardware, dtype="float32", quantization="int4", quantization_group_size=64))
+    assert set(int4) == {"paged_decode", "q4_matmul", "q8_matmul", "decode_layer"} and set(int4) <= set(KERNELS)
+    monkeypatch.setenv(ENV_VAR, kernel_isa)
+    threads = prebuild(["paged_decode", "q4_matmul", "paged_decode"])
+    assert [t.name for t in threads] == ["fastgen-build-paged_decode", "fastgen-build-q4_matmul"]
+    for thread in threads:
+        thread.join(timeout=600)
+    assert kernel_op("q4_matmul", kernel_isa) is not None
+    with pytest.raises(ValueError, match=r"unknown C\+\+ CPU kernel 'q5_matmul'"):
+        build_dir(kernel_isa, "q5_matmul")
+    monkeypatch.setenv(ENV_VAR, "off")
+    assert prebuild(["paged_decode"]) == []

@@ -158,3 +158,35 @@ def test_plan_chooses_and_refuses(tiny_checkpoints):
     assert not torch_attention.decode_layer_kernel
     with pytest.raises(ValueError, match="decode_layer_kernel=True cannot apply: .*tensor-parallel"):
         make_plan(facts, hardware, quantization="int8", tensor_parallel=2, decode_layer_kernel=True)
+
+
+def test_engine_with_the_op_under_compile_preemption_and_prefix_hits(tiny_checkpoints, monkeypatch):
+    """The op beside the compiled layers (the larger steps), with a KV cache small enough to force preemption
+    (recomputed sequences re-enter as prompt chunks, then decode through the op again) and prompts sharing a
+    prefix (cached blocks the op reads in place): the same greedy tokens as with the op off. fp32, Q8_0 linears:
+    the two paths agree to ~1e-7 a layer, so only a rare tipped int8 rounding of x may part them late."""
+    from test_engine_parity import _workload
+
+    from fastgen import EngineConfig, SamplingParams
+    from fastgen.engine import Engine
+    from kit import run_to_end
+
+    calls = []
+    run = DecodeLayerStep.run
+    monkeypatch.setattr(DecodeLayerStep, "run", lambda self, *args: calls.append(1) or run(self, *args))
+    outputs = {}
+    for on in (True, False):
+        engine = Engine.from_config(EngineConfig(
+            model=tiny_checkpoints["llama"], dtype="float32", quantization="int8", compile="default",
+            decode_layer_kernel=on, num_kv_blocks=40, block_size=4, token_budget=16, max_seqs=8, progress=False))
+        engine.eos_token_ids = set()
+        prompts = _workload(engine.tokenizer)
+        seqs = run_to_end(engine, prompts, SamplingParams(do_sample=False, max_new_tokens=12), max_steps=2000)
+        assert sum(s.num_preemptions for s in seqs) > 0 and sum(s.num_cached_prompt_tokens for s in seqs[-4:]) > 0
+        assert engine.block_manager.num_free_blocks == 40
+        assert bool(calls) is on
+        calls.clear()
+        outputs[on] = [s.output_token_ids for s in seqs]
+    assert all(a[:4] == b[:4] for a, b in zip(outputs[True], outputs[False]))
+    pairs = [(x, y) for a, b in zip(outputs[True], outputs[False]) for x, y in zip(a, b)]
+    assert sum(x == y for x, y in pairs) >= 0.9 * len(pairs)
