@@ -1,20 +1,22 @@
 """Throughput through Ray Serve's HTTP proxy (1 and 2 replicas) against `scripts/serve.py` served
-directly, on the same host, with the same OpenAI requests.
+directly with as many replicas, on the same host, with the same OpenAI requests.
 
     python scripts/bench_ray.py [--model DIR] [--requests 48] [--concurrency 8] [--max-tokens 64]
+        [--repeats 2] [--stream-interval-ms MS]
 
 Each configuration serves the model (default: the bundled demo model) with the same engine settings
 and gets the same load: `--requests` completions of `--max-tokens` tokens each (`ignore_eos`, greedy),
 `--concurrency` at a time, streamed (server-sent events) and not, each mode `--repeats` times with
 the configurations alternating within a round. Figures: generated tokens per second of wall time
-(median over the repeats) and the proxy's overhead, 1 - Ray's tok/s / direct's. The direct server
-steps its engine on the process's main thread (`scripts/serve.py`); a Serve replica steps it on a
-thread of the replica actor. The machine's 2 cores are split evenly among the engines: the direct
-server is one engine (`--replica-num 1`, whatever the policy would plan) with 2 threads
-(`OMP_NUM_THREADS=2`), as is the single Serve replica (`num_cpus=2`), so that pair differs only in
-the path a request takes; with 2 replicas each gets one core (`OMP_NUM_THREADS=1`, `num_cpus=1`).
-Everything listens on 127.0.0.1; the Ray cluster is local (`ray.init(num_cpus=2)`). JSON goes to
-`bench_results/bench_ray.json`.
+(median over the repeats) and the proxy's overhead, 1 - Ray's tok/s / direct's with the same number
+of replicas. The machine's 2 cores are split evenly among the engines, the same way on both sides:
+one replica has 2 threads (`OMP_NUM_THREADS=2`; a Serve replica `num_cpus=2`), two have one core
+each (`OMP_NUM_THREADS=1`, `num_cpus=1`). The direct server with one replica steps its engine on the
+process's main thread (`--replica-num 1`, whatever the policy would plan); with two it runs
+fastgen's single-host router in front of two replica processes (`--replica-num 2`). A Serve replica
+builds and steps its engine on one thread of the actor (`EngineLoop.start`). `--stream-interval-ms`
+sets the Ray app's `stream_interval_ms` (default: `build_app`'s). Everything listens on 127.0.0.1;
+the Ray cluster is local (`ray.init(num_cpus=2)`). JSON goes to `bench_results/bench_ray.json`.
 """
 
 from __future__ import annotations
@@ -80,28 +82,36 @@ async def _load(base: str, model: str, requests: int, concurrency: int, max_toke
             "latency_p50_s": statistics.median(latencies)}
 
 
+def _replicas(replicas: int) -> str:
+    return f"{replicas} replica{'s' if replicas > 1 else ''}"
+
+
 class Direct:
-    """`scripts/serve.py --enable-restful-api` in its own process."""
+    """`scripts/serve.py --enable-restful-api --replica-num N` in its own process."""
 
-    name = "direct scripts/serve.py"
-
-    def __init__(self, model: str | None) -> None:
+    def __init__(self, model: str | None, replicas: int) -> None:
         port, self.rest_port = free_port(), free_port()
-        # One engine with every core, as the single Serve replica: the policy could plan several replicas.
+        self.name = f"direct serve.py, {_replicas(replicas)}"
+        # The cores split as among Serve's replicas (the policy could plan another replica count).
         argv = [sys.executable, os.path.join(REPO, "scripts", "serve.py"), "--port", str(port), "--enable-restful-api",
                 "--restful-api-port", str(self.rest_port), "--deployment-name", "bench-ray-direct", "--no-progress",
-                "--replica-num", "1"]
-        env = {**os.environ, "OMP_NUM_THREADS": str(CORES)}
+                "--replica-num", str(replicas)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(CORES // replicas)}
         self.proc = subprocess.Popen(argv + (["--model", model] if model else []), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
-        for line in self.proc.stdout:
-            if line.startswith("listening on"):
-                break
-        else:
-            raise SystemExit(f"scripts/serve.py exited with {self.proc.wait()}")
-        # Keep reading its log, so a full pipe never blocks the server.
+        # Read its log all along, so a full pipe never blocks the server.
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.rest_port}"
+        # Ready when the gateway answers (its replicas print their own "listening on" lines first).
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"scripts/serve.py exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
 
     def close(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -122,7 +132,7 @@ class RayApp:
                                          "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}}}
         if model:
             options["model"] = model
-        self.name = f"Ray Serve, {replicas} replica{'s' if replicas > 1 else ''}"
+        self.name = f"Ray Serve, {_replicas(replicas)}"
         self.url = url
         self.app = f"bench{replicas}"
         serve.run(build_app(options), name=self.app, route_prefix="/")
@@ -140,6 +150,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--stream-interval-ms", type=float, default=None,
+                        help="the Ray app's stream_interval_ms (default: build_app's own)")
     parser.add_argument("--out", default=os.path.join(REPO, "bench_results", "bench_ray.json"))
     args = parser.parse_args()
 
@@ -147,6 +159,9 @@ def main() -> None:
     from ray import serve
 
     from fastgen.engine import DEMO_MODEL_DIR
+
+    if args.stream_interval_ms is not None:
+        ENGINE["stream_interval_ms"] = args.stream_interval_ms
 
     ray.init(num_cpus=CORES, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     proxy_port = free_port()
@@ -158,8 +173,8 @@ def main() -> None:
     try:
         for _ in range(args.repeats):
             # Each configuration alone on the machine: the others are stopped before it starts.
-            for make in (lambda: Direct(args.model), lambda: RayApp(proxy, args.model, 1),
-                         lambda: RayApp(proxy, args.model, 2)):
+            for make in (lambda: Direct(args.model, 1), lambda: RayApp(proxy, args.model, 1),
+                         lambda: Direct(args.model, 2), lambda: RayApp(proxy, args.model, 2)):
                 server = make()
                 try:
                     for stream in (False, True):
@@ -176,15 +191,17 @@ def main() -> None:
 
     summary = {name: {mode: statistics.median(r["tok_per_s"] for r in runs) for mode, runs in modes.items()}
                for name, modes in results.items()}
-    direct = summary[Direct.name]
     print(f"\n{'configuration':28s} {'unary tok/s':>12s} {'stream tok/s':>13s}   overhead vs direct (unary, stream)")
+    overheads = {}
     for name, modes in summary.items():
-        overhead = [1 - modes[m] / direct[m] for m in ("unary", "stream")]
+        direct = summary[f"direct serve.py, {name.partition(', ')[2]}"]
+        overheads[name] = {m: 1 - modes[m] / direct[m] for m in ("unary", "stream")}
         print(f"{name:28s} {modes['unary']:12.1f} {modes['stream']:13.1f}   "
-              f"{overhead[0]:+.1%}, {overhead[1]:+.1%}")
+              f"{overheads[name]['unary']:+.1%}, {overheads[name]['stream']:+.1%}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
-        json.dump({"args": vars(args), "runs": results, "median_tok_per_s": summary}, f, indent=1)
+        json.dump({"args": vars(args), "runs": results, "median_tok_per_s": summary, "overhead": overheads}, f,
+                  indent=1)
 
 
 if __name__ == "__main__":

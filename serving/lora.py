@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Iterable
+
+from fastgen.engine import Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,3 +48,14 @@ def parse_lora_module(spec: str) -> LoRAModule:
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"{spec!r}: the adapter's {key} must be a non-empty string")
     return LoRAModule(name.strip(), path.strip())
+
+
+def load_lora_modules(engine: Engine, modules: Iterable[LoRAModule], option: str) -> None:
+    """Load each of `modules` into `engine` at start-up; for one that fails, shut the engine down and
+    raise ValueError naming the entry as the `option` that gave it (`--lora-modules`, `lora_modules`)."""
+    for module in modules:
+        try:
+            engine.load_lora(module.name, module.path)
+        except ValueError as exc:
+            engine.shutdown()
+            raise ValueError(f"{option} {module.name}={module.path}: {exc}") from None

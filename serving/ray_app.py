@@ -39,7 +39,7 @@ from fastgen.config import EngineConfig
 from fastgen.engine import DEMO_MODEL_DIR, Engine, EngineLoop
 from fastgen.serving.cli import build_parser, engine_fields
 from fastgen.serving.limits import ServingLimits, api_keys_from_env
-from fastgen.serving.lora import LoRAModule, parse_lora_module
+from fastgen.serving.lora import LoRAModule, load_lora_modules, parse_lora_module
 from fastgen.serving.metrics import ServingMetrics
 from fastgen.serving.http.app import create_app
 from fastgen.serving.http.chat.reasoning import REASONING_PARSERS
@@ -63,12 +63,12 @@ _SERVER_OPTIONS = ("model", "deployment_name", "served_model_name", "api_key", "
                    "max_prompts_per_request", "max_n", "max_body_bytes", "strict_params", "protect_metrics",
                    "tool_call_parser", "reasoning_parser", "lora_modules", "stream_interval_ms")
 
-DEFAULT_STREAM_INTERVAL_MS = 0.0
-"""A replica's `stream_interval_ms` unless told: every event written as it comes. Ray Serve LLM batches for
-50 ms by default (`stream_batching_interval_ms`), since each write is a message from the replica to Ray's
-proxy; on a 2-core EPYC (SmolLM2-135M bf16, 8 streams of 64 tokens, `scripts/bench_ray.py`) 50 ms left the
-proxy's cost where it was (26-33% of direct serving's streamed tok/s, against 21-29% writing each event),
-so the default keeps token-by-token delivery."""
+DEFAULT_STREAM_INTERVAL_MS = 50.0
+"""A replica's `stream_interval_ms` unless told, Ray Serve LLM's default (`stream_batching_interval_ms`):
+each write is a message from the replica to Ray's proxy and on to the client, two hops a direct server
+does not have, so a stream's events after its first go in one write per 50 ms (each token still its own
+server-sent event). On a 2-core EPYC (SmolLM2-135M bf16, 8 streams of 64 tokens, `scripts/bench_ray.py`)
+writing each event as it came cost 28% of direct serving's streamed tok/s; 50 ms, none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +114,9 @@ class FastGenServer:
     def __init__(self, options: ServerOptions) -> None:
         _use_placement_group_devices(options.engine.get("tensor_parallel"))
         self.options = options
-        self.engine = Engine.from_config(EngineConfig.from_kwargs(options.model, **options.engine))
-        for module in options.lora_modules:
-            try:
-                self.engine.load_lora(module.name, module.path)
-            except ValueError as exc:
-                self.engine.shutdown()
-                raise ValueError(f"lora_modules {module.name}={module.path}: {exc}") from None
-        self.loop = EngineLoop(self.engine)
+        # Built on the thread that steps it: the actor's main thread is Ray's (`EngineLoop.start`).
+        self.loop = EngineLoop.start(lambda: _build_engine(options))
+        self.engine = self.loop.engine
         self.gateway_app = create_app(self.loop, options.deployment_name, self.engine.tokenizer, options.model_name,
                               limits=options.limits, max_model_len=self.engine.max_model_len,
                               metrics=ServingMetrics(self.engine.stats), strict_params=options.strict_params,
@@ -150,6 +145,13 @@ class FastGenServer:
         # Serve's destructor hook: it runs after the graceful-shutdown wait for requests in flight.
         if "loop" in self.__dict__:
             self.shutdown()
+
+
+def _build_engine(options: ServerOptions) -> Engine:
+    """The replica's engine, with the LoRA adapters `options` names loaded."""
+    engine = Engine.from_config(EngineConfig.from_kwargs(options.model, **options.engine))
+    load_lora_modules(engine, options.lora_modules, "lora_modules")
+    return engine
 
 
 def _replica_id() -> str:
@@ -243,8 +245,8 @@ def build_app(args: dict[str, Any]) -> Any:
     environment), `max_pending_requests`, `max_prompts_per_request`, `max_n`, `max_body_bytes`,
     `strict_params`, `protect_metrics`, `tool_call_parser`, `reasoning_parser`, `lora_modules` (a list
     of `name=path` entries, or one string of them space-separated), `stream_interval_ms` (a stream's
-    events after its first go to the proxy in one write per this many milliseconds; default 0: each
-    event as it comes, `DEFAULT_STREAM_INTERVAL_MS`); and Ray's `num_replicas` (an int, or "auto") or
+    events after its first go to the proxy in one write per this many milliseconds; default 50,
+    `DEFAULT_STREAM_INTERVAL_MS`; 0: each event as it comes); and Ray's `num_replicas` (an int, or "auto") or
     `autoscaling_config` (a dict or its JSON, e.g. `{"min_replicas": 1, "max_replicas": 4,
     "target_ongoing_requests": 16}`), `max_ongoing_requests` (default 64), `ray_actor_options` (a
     dict or its JSON; default per replica: one GPU when CUDA is the device, or when the device is unset

@@ -118,3 +118,39 @@ def test_loop_stepped_by_the_calling_thread_serves_client_threads(tiny_checkpoin
 def test_run_refuses_a_loop_that_has_its_own_thread(loop):
     with pytest.raises(RuntimeError, match="own thread"):
         loop.run(lambda: True)
+
+
+def test_start_builds_and_steps_the_engine_on_one_thread(tiny_checkpoints):
+    # What a Ray replica does: the thread that built the engine (and ran its warm-up) is the one that
+    # steps it and runs its calls, so no second thread leads OpenMP regions.
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread())
+        engine = Engine.from_config(EngineConfig(model=tiny_checkpoints["llama"], num_kv_blocks=NUM_BLOCKS,
+                                                 block_size=8, token_budget=32, max_seqs=8, progress=False))
+        engine.eos_token_ids = set()
+        return engine
+
+    loop = EngineLoop.start(build)
+    try:
+        assert built_on[0] is not threading.current_thread()
+        assert loop.call(lambda engine: threading.current_thread()).result(10) is built_on[0]
+        prompt = [5, 40, 7, 11]
+        stream = submit_group(loop, [prompt], SamplingParams(do_sample=False, max_new_tokens=6))
+        assert [t for delta in stream for t in delta.token_ids] == _hf_greedy(tiny_checkpoints["llama"], prompt, 6)
+        with pytest.raises(RuntimeError, match="own thread"):
+            loop.run(lambda: True)
+    finally:
+        loop.shutdown()
+    assert not built_on[0].is_alive() and loop.stopped
+
+
+def test_start_reraises_a_failed_build_and_leaves_no_thread():
+    def build():
+        raise ValueError("no such checkpoint")
+
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        EngineLoop.start(build)
+    assert "fastgen-engine-loop" not in {t.name for t in threading.enumerate()} - before

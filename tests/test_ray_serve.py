@@ -280,11 +280,14 @@ def test_build_app_options_reach_serve():
                      "autoscaling_config": '{"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8}',
                      "max_ongoing_requests": "16", "drain_timeout": "5", "tensor_parallel": "2",
                      "ray_actor_options": {"num_cpus": 2}, "tool_call_parser": "hermes",
-                     "reasoning_parser": "deepseek_r1", "stream_interval_ms": "50"})
+                     "reasoning_parser": "deepseek_r1", "stream_interval_ms": "20"})
     deployment = app._bound_deployment
     (options,) = deployment.init_args
     assert (options.tool_call_parser, options.reasoning_parser) == ("hermes", "deepseek_r1")
-    assert options.stream_interval_ms == 50.0
+    assert options.stream_interval_ms == 20.0
+    # Unless told, a replica batches a stream's writes to the proxy as Ray Serve LLM does (50 ms).
+    (default,) = build_app({})._bound_deployment.init_args
+    assert default.stream_interval_ms == 50.0
     assert options.engine == {"num_kv_blocks": 64, "enable_prefix_caching": False, "buckets": (1, 2, 4),
                               "cuda_graphs": False, "tensor_parallel": 2}
     config = deployment._deployment_config

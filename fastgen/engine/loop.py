@@ -47,7 +47,20 @@ class LoopRequest:
 
 class EngineLoop:
     """Owns an `Engine` and steps it while any request is unfinished: on a background thread, or on
-    the thread that calls `run()` (`thread=False`)."""
+    the thread that calls `run()` (`thread=False`).
+
+    Which thread steps matters on a CPU. torch's OpenMP runtime (libgomp) counts every thread that
+    ever led a parallel region, the main thread always among them, and once they outnumber the cores
+    its workers stop spinning between regions and sleep; each of a step's ~1,000 small ops then waits
+    for a worker to wake. Measured on 2 cores: a `[256, 1536]` fp32 multiply 26 us from the main
+    thread, 125 us from another once the main thread had run one (69 us if it never had); a whole
+    engine stepped off the main thread made 5300-5700 against 7200-9500 tok/s. So a process steps
+    its engine on the main thread (`run()`), or, where the main thread is not its own (a Ray actor),
+    builds and steps it on one thread (`start()`): building runs parallel regions too (loading,
+    packing, the warm-up step), and a second thread that led them throttles the first for good
+    (a Serve replica built on its event loop's thread: 178-244 against 310-332 tok/s once built
+    on the stepping thread, SmolLM2-135M bf16 on 2 cores).
+    """
 
     def __init__(self, engine: Engine, thread: bool = True) -> None:
         """Start stepping `engine` on a background thread; `thread=False` leaves the stepping to the
@@ -66,17 +79,36 @@ class EngineLoop:
         if thread:
             self._thread.start()
 
+    @classmethod
+    def start(cls, build: Callable[[], Engine]) -> "EngineLoop":
+        """Call `build()` on a new thread and step the engine it returns there, the only thread that
+        touches it (see the class docstring for why). Returns once the engine is built; re-raises
+        what `build` raised, and then no thread is left behind."""
+        built: Future = Future()
+
+        def own_thread() -> None:
+            try:
+                loop = cls(build(), thread=False)
+            except BaseException as exc:
+                built.set_exception(exc)
+                return
+            loop._own_thread, loop._thread = True, threading.current_thread()
+            built.set_result(loop)
+            loop._run()
+
+        thread = threading.Thread(target=own_thread, name="fastgen-engine-loop", daemon=True)
+        thread.start()
+        try:
+            return built.result()
+        except BaseException:
+            thread.join()
+            raise
+
     def run(self, idle_check: Callable[[], bool] | None = None, interval: float = 0.2) -> None:
         """Step the engine on the calling thread until `shutdown()`, or until `idle_check()` (called
         between steps and every `interval` s while idle) returns True; then every request still open
-        is aborted with an error. For an `EngineLoop(engine, thread=False)`.
-
-        Why the main thread: torch's OpenMP runtime (libgomp) counts every thread that ever led a
-        parallel region, the main thread always among them, and once they outnumber the cores its
-        workers stop spinning between regions and sleep; each of a step's ~1,000 small ops then
-        waits for a worker to wake. Measured on 2 cores: a `[256, 1536]` fp32 multiply 26 us from the
-        main thread, 125 us from another once the main thread had run one (69 us if it never had);
-        a whole engine stepped off the main thread made 5300-5700 against 7200-9500 tok/s.
+        is aborted with an error. For an `EngineLoop(engine, thread=False)`: the process's main thread
+        is the best place to step an engine (see the class docstring).
         """
         if self._own_thread:
             raise RuntimeError("this EngineLoop already steps on its own thread")

@@ -39,6 +39,7 @@ from fastgen.serving.cli import (DEFAULT_PORT, DEFAULT_REST_PORT, build_parser, 
                                  engine_fields, limits_argv, served_model_name, validate)
 from fastgen.serving.grpc.server import GrpcServer
 from fastgen.serving.limits import ServingLimits
+from fastgen.serving.lora import load_lora_modules
 from fastgen.serving.deploy.processes import check_port_free, connect_host, stop_process, write_json_atomic
 from fastgen.serving.grpc.proto import fastgen_v1_pb2 as pb
 from fastgen.serving.deploy.replicas import ReplicaRouter, start_replicas
@@ -122,12 +123,10 @@ def _planned_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def _load_lora_modules(engine: Engine, args: argparse.Namespace) -> None:
     """Load `--lora-modules` into `engine`; SystemExit naming the entry (the engine shut down) for a bad one."""
-    for module in args.lora_modules:
-        try:
-            engine.load_lora(module.name, module.path)
-        except ValueError as exc:
-            engine.shutdown()
-            raise SystemExit(f"--lora-modules {module.name}={module.path}: {exc}") from None
+    try:
+        load_lora_modules(engine, args.lora_modules, "--lora-modules")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if args.lora_modules:
         logger.info("LoRA adapters: %s", ", ".join(f"{m.name} ({m.path})" for m in args.lora_modules))
 
