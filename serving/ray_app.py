@@ -32,7 +32,6 @@ import dataclasses
 import io
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastgen.config import EngineConfig
@@ -41,6 +40,7 @@ from fastgen.serving.cli import build_parser, engine_fields
 from fastgen.serving.limits import ServingLimits, api_keys_from_env
 from fastgen.serving.lora import LoRAModule, load_lora_modules, parse_lora_module
 from fastgen.serving.metrics import ServingMetrics
+from fastgen.serving.ray_placement import cluster_has_gpus, default_actor_resources, use_placement_group_devices
 from fastgen.serving.http.app import create_app
 from fastgen.serving.http.chat.reasoning import REASONING_PARSERS
 from fastgen.serving.http.chat.tool_parsers import TOOL_CALL_PARSERS
@@ -50,9 +50,6 @@ DEFAULT_MAX_ONGOING_REQUESTS = 64
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 """Seconds a stopping replica waits for its requests in flight (Serve's `graceful_shutdown_timeout_s`)."""
-
-BUNDLE_DISCOVERY_TIMEOUT_S = 120.0
-"""Seconds a tensor-parallel replica waits to learn its rank bundles' GPU ids before failing."""
 
 REPLICA_HEADER = "x-fastgen-replica"
 """Response header naming the Serve replica that answered (its unique id)."""
@@ -112,7 +109,7 @@ class FastGenServer:
     """
 
     def __init__(self, options: ServerOptions) -> None:
-        _use_placement_group_devices(options.engine.get("tensor_parallel"))
+        use_placement_group_devices(options.engine.get("tensor_parallel"))
         self.options = options
         # Built on the thread that steps it: the actor's main thread is Ray's (`EngineLoop.start`).
         self.loop = EngineLoop.start(lambda: _build_engine(options))
@@ -170,71 +167,6 @@ def _name_replica(replica_id: str) -> Any:
         return response
 
     return name_replica
-
-
-def placement_group_gpu_ids(bundles: Sequence[Mapping[str, float]], own_gpu_ids: Sequence[str],
-                            other_bundle_gpu_ids: Callable[[list[tuple[int, float]]], list[list[str]]]) -> list[str]:
-    """The GPU ids of a tensor-parallel replica's ranks, in rank order (bundle i holds rank i's GPUs).
-
-    `bundles` are the placement group's bundle specs, `own_gpu_ids` the GPUs Ray assigned the replica
-    actor itself, and `other_bundle_gpu_ids([(index, gpus), ...])` returns the GPU ids of each of those
-    other bundles. Bundle 0 is never asked about: Serve schedules the replica actor in it, so its GPUs
-    are the actor's own, and a task asking Ray for them would wait for the actor to release them
-    (forever). Bundles 1.. are reserved for this replica's ranks and held by nothing, so a task placed
-    in each can take its GPUs for a moment and read their ids. An empty list: a CPU placement group.
-    """
-    if not any(bundle.get("GPU") for bundle in bundles):
-        return []
-    if bundles[0].get("GPU") and not own_gpu_ids:
-        raise ValueError(f"the replica holds no GPU although its placement group's bundle 0 has "
-                         f"{bundles[0]['GPU']:g}: give ray_actor_options the GPUs of one rank (num_gpus)")
-    others = [(index, float(bundle.get("GPU", 0))) for index, bundle in enumerate(bundles) if index > 0]
-    ids = list(own_gpu_ids)
-    for (index, gpus), found in zip(others, other_bundle_gpu_ids(others), strict=True):
-        if gpus and not found:
-            raise RuntimeError(f"Ray assigned no GPU to placement-group bundle {index} ({gpus:g} reserved)")
-        ids += found
-    return ids
-
-
-def _use_placement_group_devices(tensor_parallel: int | None) -> None:
-    """Let this replica's ranks see every GPU of its placement group's bundles.
-
-    Ray shows an actor only its own bundle's GPU (CUDA_VISIBLE_DEVICES); the other ranks are this
-    replica's child processes, so before CUDA starts the variable is widened to the GPUs of all the
-    bundles, rank order (`placement_group_gpu_ids`). A CPU placement group needs nothing.
-    """
-    if tensor_parallel is None or tensor_parallel <= 1:
-        return
-    import ray
-    from ray.exceptions import GetTimeoutError
-    from ray.util import get_current_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    group = get_current_placement_group()
-    if group is None:
-        return
-
-    @ray.remote(num_cpus=0)
-    def gpu_ids() -> list[str]:
-        return [str(i) for i in ray.get_runtime_context().get_accelerator_ids()["GPU"]]
-
-    def other_bundle_gpu_ids(others: list[tuple[int, float]]) -> list[list[str]]:
-        refs = [gpu_ids.options(num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=index)).remote() for index, gpus in others]
-        try:
-            # The bundles are reserved for this replica: the tasks start at once unless something
-            # else took a bundle's GPU, which would otherwise block this replica forever.
-            return ray.get(refs, timeout=BUNDLE_DISCOVERY_TIMEOUT_S)
-        except GetTimeoutError:
-            raise RuntimeError(f"could not read the GPU ids of placement-group bundles {[i for i, _ in others]} "
-                               f"within {BUNDLE_DISCOVERY_TIMEOUT_S:g} s: is another actor or task holding "
-                               "their GPUs?") from None
-
-    own = [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
-    ids = placement_group_gpu_ids(group.bundle_specs, own, other_bundle_gpu_ids)
-    if ids:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
 
 
 def build_app(args: dict[str, Any]) -> Any:
@@ -388,34 +320,6 @@ def _lora_modules(value: Any, engine: dict[str, Any]) -> tuple[LoRAModule, ...]:
     return tuple(modules)
 
 
-def default_actor_resources(device: str | None, cluster_has_gpus: Callable[[], bool]) -> dict[str, int]:
-    """One replica's (one rank's) Ray resources when `ray_actor_options` names none.
-
-    A GPU when the engine runs on CUDA, else a CPU. `device` unset follows what the plan picks on the
-    replica (CUDA when it sees a GPU): one GPU when `cluster_has_gpus()` (asked only then), else one
-    CPU, so a GPU cluster serves on its GPUs without naming the device, and a replica always holds the
-    device it uses (Ray hides the GPUs from an actor that reserved none).
-    """
-    if device is not None:
-        gpu = str(device).startswith("cuda")
-    else:
-        gpu = cluster_has_gpus()
-    return {"num_gpus": 1} if gpu else {"num_cpus": 1}
-
-
-def _cluster_has_gpus() -> bool:
-    """Whether the replicas will find GPUs: the connected Ray cluster's resources, or, when this process
-    is not connected yet (`serve run` builds the app before `ray.init`; `serve.run` starts a local
-    cluster), this machine's."""
-    import ray
-
-    if ray.is_initialized():
-        return ray.cluster_resources().get("GPU", 0) > 0
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _deployment_options(raw: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
     """Ray Serve's `serve.deployment` keywords from build_app's scaling options."""
     options: dict[str, Any] = {}
@@ -435,7 +339,7 @@ def _deployment_options(raw: dict[str, Any], engine: dict[str, Any]) -> dict[str
                                                      float, 0)
     actor = _mapping("ray_actor_options", raw.get("ray_actor_options", {}))
     if not actor.keys() & {"num_cpus", "num_gpus", "resources"}:
-        actor = {**actor, **default_actor_resources(engine.get("device"), _cluster_has_gpus)}
+        actor = {**actor, **default_actor_resources(engine.get("device"), cluster_has_gpus)}
     tensor_parallel = engine.get("tensor_parallel") or 1
     if tensor_parallel > 1:
         # One bundle per rank on one node; the replica (rank 0) takes the first, its ranks the rest.

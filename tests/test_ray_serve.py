@@ -20,8 +20,8 @@ ray = pytest.importorskip("ray", reason="the ray extra (pip install 'fastgen[ray
 from ray import serve  # noqa: E402
 
 import fastgen  # noqa: E402
-from fastgen.serving.ray_app import (REPLICA_HEADER, FastGenServer, build_app, default_actor_resources,  # noqa: E402
-                                     placement_group_gpu_ids)
+from fastgen.serving.ray_app import REPLICA_HEADER, FastGenServer, build_app  # noqa: E402
+from fastgen.serving.ray_placement import default_actor_resources, placement_group_gpu_ids  # noqa: E402
 
 APP = "fastgen"
 MODEL = "demo"
@@ -326,10 +326,10 @@ def test_a_tensor_parallel_replica_sees_every_gpu_of_its_bundles(cluster):
 
     @ray.remote(num_cpus=0, num_gpus=1)
     def replica_devices() -> tuple[str, list[str]]:
-        from fastgen.serving.ray_app import _use_placement_group_devices
+        from fastgen.serving.ray_placement import use_placement_group_devices
 
         own = [str(i) for i in ray.get_runtime_context().get_accelerator_ids()["GPU"]]
-        _use_placement_group_devices(2)
+        use_placement_group_devices(2)
         return os.environ["CUDA_VISIBLE_DEVICES"], own
 
     group = placement_group([{"GPU": 1}, {"GPU": 1}], strategy="STRICT_PACK")
