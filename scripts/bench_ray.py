@@ -38,7 +38,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 from bench_common import free_port  # noqa: E402
+
 ENGINE = {"progress": False}
+"""Engine options of every Serve configuration (the direct server gets the same through `--no-progress`)."""
 CORES = 2
 """The cores the configurations share: Ray's cluster has this many CPUs, the direct server this many threads."""
 
@@ -121,13 +123,13 @@ class Direct:
 class RayApp:
     """`build_app` with `replicas` replicas, behind Serve's proxy on `url`."""
 
-    def __init__(self, url: str, model: str | None, replicas: int) -> None:
+    def __init__(self, url: str, model: str | None, replicas: int, engine: dict) -> None:
         from ray import serve
 
         from fastgen.serving.ray_app import build_app
 
         threads = str(CORES // replicas)
-        options = {**ENGINE, "num_replicas": replicas, "deployment_name": "bench-ray",
+        options = {**engine, "num_replicas": replicas, "deployment_name": "bench-ray",
                    "ray_actor_options": {"num_cpus": CORES / replicas,
                                          "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}}}
         if model:
@@ -160,8 +162,9 @@ def main() -> None:
 
     from fastgen.engine import DEMO_MODEL_DIR
 
+    engine = dict(ENGINE)
     if args.stream_interval_ms is not None:
-        ENGINE["stream_interval_ms"] = args.stream_interval_ms
+        engine["stream_interval_ms"] = args.stream_interval_ms
 
     ray.init(num_cpus=CORES, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     proxy_port = free_port()
@@ -173,8 +176,8 @@ def main() -> None:
     try:
         for _ in range(args.repeats):
             # Each configuration alone on the machine: the others are stopped before it starts.
-            for make in (lambda: Direct(args.model, 1), lambda: RayApp(proxy, args.model, 1),
-                         lambda: Direct(args.model, 2), lambda: RayApp(proxy, args.model, 2)):
+            for make in (lambda: Direct(args.model, 1), lambda: RayApp(proxy, args.model, 1, engine),
+                         lambda: Direct(args.model, 2), lambda: RayApp(proxy, args.model, 2, engine)):
                 server = make()
                 try:
                     for stream in (False, True):
