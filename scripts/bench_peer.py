@@ -241,8 +241,9 @@ def run_model(model_name: str, model: str, engines: list[tuple[str, str, dict]],
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB; vLLM's default would take far more of 24 GiB
         if args.cold_caches:
             fresh = tempfile.mkdtemp(prefix="caches-", dir=scratch)
-            env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(fresh, "inductor"), VLLM_CACHE_ROOT=os.path.join(fresh, "vllm"),
-                       FASTGEN_CACHE=os.path.join(fresh, "fastgen"))  # fastgen's C++ kernels are built again too
+            # fastgen's C++ kernels are built again too (FASTGEN_CACHE).
+            env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(fresh, "inductor"),
+                       VLLM_CACHE_ROOT=os.path.join(fresh, "vllm"), FASTGEN_CACHE=os.path.join(fresh, "fastgen"))
         python = args.vllm_python if engine == "vllm" else sys.executable
         log = os.path.join(logs, f"{model_name}-{label.replace(' ', '').replace('/', '_')}.log")
         print(f"  {label}: running (log {log}; 1-min load {os.getloadavg()[0]:.1f}) ...", flush=True)

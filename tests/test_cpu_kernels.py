@@ -338,6 +338,22 @@ def test_no_compiler_falls_back_with_one_log_line(tmp_path):
     assert done.stderr.count("stay on the torch path") == 1, done.stderr[-2000:]
 
 
+def test_kernels_failing_together_log_one_line(tmp_path, kernel_isa):
+    """Every kernel's build failing at once on `prebuild`'s threads (no compiler) still logs one line."""
+    code = """
+        from fastgen.ops.cpu_kernels import KERNELS, prebuild
+        threads = prebuild(KERNELS)
+        for thread in threads:
+            thread.join()
+        print(len(threads))
+    """
+    done = _run_python(code, CXX=str(tmp_path / "no-such-c++"), FASTGEN_CACHE=str(tmp_path / "cache"))
+    from fastgen.ops.cpu_kernels import KERNELS
+
+    assert done.returncode == 0 and done.stdout.strip() == str(len(KERNELS)), done.stderr[-2000:]
+    assert done.stderr.count("stay on the torch path") == 1, done.stderr[-2000:]
+
+
 def test_second_process_reuses_the_build(kernel_isa):
     """A later process loads the cached library: nothing under the build directory is rewritten."""
     directory = build_dir(kernel_isa, "paged_decode")

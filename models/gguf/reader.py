@@ -118,6 +118,7 @@ def tensor_values(tensor) -> np.ndarray:
     values = import_gguf().quants.dequantize(tensor.data, tensor.tensor_type).reshape(torch_shape(tensor))
     return values if values.flags.writeable else values.copy()  # F32 comes back as a read-only memmap view
 
+
 @dataclass(frozen=True, slots=True)
 class IndexedTensor:
     """One tensor of a GGUF file found through its `TensorIndex`: what the loader reads of a

@@ -79,15 +79,15 @@ def _build_lock(name: str, isa: str) -> threading.Lock:
 
 
 @functools.cache
-def _failed(isa: str) -> threading.Event:
-    """Set once a kernel of variant `isa` failed to build in this process (its failure is logged, later ones not)."""
-    return threading.Event()
+def _failure_logged(isa: str) -> threading.Lock:
+    """Taken by the first kernel of variant `isa` that fails to build in this process (its failure is logged,
+    later ones not); a non-blocking acquire decides which one, even when `prebuild` threads fail together."""
+    return threading.Lock()
 
 
 def _unavailable(isa: str, line: str) -> None:
     """The one log line of a variant whose kernels cannot be built: its first failure's reason."""
-    if not _failed(isa).is_set():
-        _failed(isa).set()
+    if _failure_logged(isa).acquire(blocking=False):
         logger.warning("C++ CPU kernels (%s) unavailable, their callers stay on the torch path: %s", isa, line)
 
 

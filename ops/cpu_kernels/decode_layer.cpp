@@ -6,14 +6,14 @@
 // guards, its size arguments and Inductor's wrapper (2-core EPYC, SmolLM2-135M int4: 300 us a layer, 30 layers a
 // token). Here the same kernels (q4_matmul / q8_matmul / bf16_matmul for the linears, paged_decode for the
 // attention and its KV write) are called from C++ through torch's dispatcher, and the glue between them is plain
-// loops. Each
-// rounding to the activations' dtype happens where the layer's torch forward rounds (RMSNorm's cast before its
-// weight, the rotary's products and sum, SiLU before the product), so the result is the eager layer's to within
-// the order of fp32 sums.
+// loops. Each rounding to the activations' dtype happens where the layer's torch forward rounds (RMSNorm's cast
+// before its weight, the rotary's products and sum, SiLU before the product), so the result is the eager layer's
+// to within the order of fp32 sums.
 //
 // Linear "kinds": a positive kind is an int4 linear of that group size (packed, scales_zeros), 0 a Q8_0 one
-// (values, scales), -1 a bf16 one in bf16_matmul.cpp's tiles (the tiles, and an unused tensor). Built once per
-// ISA variant with the other kernels (ops/cpu_kernels/isa.py).
+// (values, scales), -1 a bf16 one in bf16_matmul.cpp's tiles (the tiles, and an unused tensor). Built per ISA
+// variant (ops/cpu_kernels/isa.py) as a library of its own, which finds the sibling kernels' ops at their first
+// call (build.py).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -213,7 +213,9 @@ at::Tensor run(const at::Tensor& hidden, const Layer& l, const Step& s) {
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size && qkv.is_contiguous(), "qkv_proj gives ", qkv.size(1),
               " columns, the heads need ", q_size + 2 * kv_size);
   if (l.qkv_bias.defined()) {
-    for (int64_t m = 0; m < rows; ++m) add_into(qkv.data_ptr<T>() + m * qkv.size(1), l.qkv_bias.data_ptr<T>(), qkv.size(1));
+    for (int64_t m = 0; m < rows; ++m) {
+      add_into(qkv.data_ptr<T>() + m * qkv.size(1), l.qkv_bias.data_ptr<T>(), qkv.size(1));
+    }
   }
   at::Tensor q = at::empty({rows, l.num_heads, l.head_dim}, h.options());
   at::Tensor k = at::empty({rows, l.num_kv_heads, l.head_dim}, h.options());

@@ -3,8 +3,8 @@
 At batch 1 a layer's kernels are about half its time; the other half is the Python around them, whichever way
 the layer runs (a compiled graph's guards and wrapper, or eager op calls). This op runs the whole layer
 (RMSNorm, q/k/v with its bias, per-head q/k RMSNorms, rotary, the paged attention with its KV write, output
-projection, residual, RMSNorm, gate/up, SiLU-and-mul, down, residual) from C++, calling the same kernels: fastgen's int4 or Q8_0 linears
-and its paged decode attention. The model decides which layers it can take (`DecodeLayerWeights`); a step
+projection, residual, RMSNorm, gate/up, SiLU-and-mul, down, residual) from C++, calling the same kernels:
+fastgen's int4, Q8_0 or bf16-tile linears and its paged decode attention. The model decides which layers it can take (`DecodeLayerWeights`); a step
 takes it where the attention kernel serves every row (`DecodeLayerStep`).
 """
 
