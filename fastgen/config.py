@@ -103,6 +103,7 @@ if TYPE_CHECKING:
         gemv_weights: bool | None = None
         lm_head_quantization: str | None = None
         decode_layer_kernel: bool | None = None
+        adaptive_threads: bool | None = None
         tensor_parallel: int | None = None
         replica_num: int | None = None
         speculative_config: SpeculativeConfig | dict | str | None = None

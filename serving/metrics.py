@@ -114,6 +114,11 @@ class _EngineCollector:
         if "num_steps" in stats and "step_seconds_total" in stats:
             yield SummaryMetricFamily("fastgen_engine_step_seconds", "Wall time of engine steps that ran the model.",
                                       count_value=int(stats["num_steps"]), sum_value=float(stats["step_seconds_total"]))
+        if "num_steps_fewer_threads" in stats:
+            family = CounterMetricFamily("fastgen_engine_steps_fewer_threads",
+                                         "Steps run on fewer CPU threads because other processes were runnable.")
+            family.add_metric([], float(stats["num_steps_fewer_threads"]))
+            yield family
 
 
 class ServingMetrics:

@@ -341,7 +341,8 @@ def test_overrides_win_and_say_so(models):
                      tensor_parallel=2, replica_num=2, quantization="int4", quantization_group_size=64,
                      offload="none", weight_memory=64 * GIB, weight_prepack=False, gemv_weights=False,
                      context_per_budget_token=0, structured_outputs_backend="llguidance", state_slots=0,
-                     kv_prefault=True, lm_head_quantization="none", decode_layer_kernel=False)
+                     kv_prefault=True, lm_head_quantization="none", decode_layer_kernel=False,
+                     adaptive_threads=False)
     plan = make_plan(models["7b"], _gpus(*[H100] * 4), **overrides)
     assert plan.engine_kwargs() == {**overrides, "speculative_config": None,  # off unless asked for
                                     "enable_lora": False, "max_loras": 0, "max_lora_rank": 0, "max_cpu_loras": 0}

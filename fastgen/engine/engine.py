@@ -304,7 +304,8 @@ class Engine:
         """A snapshot for metrics: requests, waiting/running sequences, KV blocks, prefix-cache hit rate,
         steps that ran the model and their total seconds; with speculative decoding its counters
         (`SpecDecodeStats`: rows verified with drafts, draft and accepted tokens, accepted per position);
-        with LoRA the adapters of the running and the waiting sequences (names) and `max_loras`.
+        with LoRA the adapters of the running and the waiting sequences (names) and `max_loras`; with the
+        plan's adaptive_threads the steps that gave up cores to other processes.
 
         Safe to call from another thread while the engine steps (it only reads counters); the numbers
         may then be a step apart from each other.
@@ -316,7 +317,8 @@ class Engine:
             "spec_num_accepted_tokens": self.speculator.stats.num_accepted_tokens,
             "spec_accepted_per_position": list(self.speculator.stats.accepted_per_position),
         }
-        return spec | self._lora_stats() | {
+        threads = {} if self.runner.threads is None else {"num_steps_fewer_threads": self.runner.threads.reduced_steps}
+        return spec | threads | self._lora_stats() | {
             "num_requests": len(self.requests),
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),

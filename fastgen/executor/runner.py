@@ -33,6 +33,7 @@ from fastgen.executor.offload import STREAMER_ATTR, install_offload, new_streame
 from fastgen.executor.step_inputs import HostStepInputs, StaticBuffers, StepTensors, pick_bucket
 from fastgen.ops.cpu_kernels import prebuild
 from fastgen.ops.cpu_kernels.q4 import CHUNK as Q4_CHUNK
+from fastgen.ops.cpu_threads import ThreadGovernor
 from fastgen.ops.kv_cache import allocate_kv_cache
 from fastgen.ops.prefault import prefault_in_background
 from fastgen.planning.plan import COMPILE_MODES, Plan
@@ -173,6 +174,8 @@ class ModelRunner:
             self._warm_up(progress)
         elif device.type == "cpu" and attention_backend != "triton":  # the interpreter takes no padding step
             self._warm_up_eager(min(plan.token_budget, EAGER_WARMUP_TOKENS))
+        self.threads = ThreadGovernor(len(os.sched_getaffinity(0))) if plan.adaptive_threads else None
+        """Sets each step's CPU thread count from what else is runnable (None: the plan's adaptive_threads is off)."""
 
     def _compile_layers(self, compile: str) -> None:
         """Regional compilation: each decoder layer runs through a compiled graph that the layers share
@@ -234,6 +237,15 @@ class ModelRunner:
     def execute(self, host: HostStepInputs) -> torch.Tensor | None:
         """Run one step (the engine's scheduled chunks, flattened); fp32 logits `[N, vocab]` of the rows
         in `host.logits_indices`, in order (None on tensor-parallel ranks other than 0)."""
+        if self.threads is None:
+            return self._execute(host)
+        self.threads.adjust()
+        try:
+            return self._execute(host)
+        finally:
+            self.threads.restore()
+
+    def _execute(self, host: HostStepInputs) -> torch.Tensor | None:
         bucket = pick_bucket(self.buckets, host.num_tokens) if self.buckets else None
         if bucket is not None and bucket in self._graphs:
             self.buffers.fill(host, bucket)

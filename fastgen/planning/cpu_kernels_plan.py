@@ -1,5 +1,5 @@
-"""Which of fastgen's C++ CPU kernels a plan runs, and why: the paged attention backend, the int4 linears and
-the decode-layer op."""
+"""How a plan runs on a CPU, and why: which of fastgen's C++ kernels it calls (the paged attention backend, the
+int4 linears, the decode-layer op) and whether its steps give up cores that other processes want."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from fastgen.ops.cpu_kernels import (ENV_VAR, ISA_NOTES, MAX_QUERY_LEN, isas_fro
                                      requested_isa)
 from fastgen.ops.cpu_kernels.decode_layer import MAX_ROWS
 from fastgen.ops.cpu_kernels.q4 import CHUNK
+from fastgen.ops.cpu_threads import adaptive_threads_supported
 from fastgen.planning.hardware import Hardware, cpu_kernel_blocker
 
 
@@ -64,3 +65,34 @@ def choose_decode_layer_kernel(blocker: str | None) -> tuple[bool, str]:
                   "layer's kernels costs as much as the kernels (2-core EPYC, SmolLM2-135M int4 decode: ~300 us a "
                   "layer compiled, ~120 us as one call, 105 -> 142 tok/s); larger steps, and layers of another "
                   "shape, keep the compiled forward")
+
+
+def adaptive_threads_blocker(hw: Hardware, compile_mode: str, tensor_parallel: int) -> str | None:
+    """Why a plan's steps cannot choose their thread count from what else is runnable (None: they can)."""
+    if hw.device_type != "cpu":
+        return "a GPU step's work does not run on CPU threads"
+    if not adaptive_threads_supported():
+        return "this OS shows no runnable-task counts (Linux's /proc/loadavg and /proc/self/task)"
+    if hw.cpu_cores < 2:
+        return "with one core a step already runs on one thread"
+    if hw.machine_cpus != hw.cpu_cores:
+        return (f"/proc/loadavg counts the runnable tasks of all {hw.machine_cpus or 'the'} CPUs, and this process "
+                f"may use {hw.cpu_cores} of them")
+    if tensor_parallel > 1:
+        return "tensor-parallel ranks share the cores and step at once: each would count the others as competitors"
+    if compile_mode != "off":
+        return "Inductor writes each compiled kernel's thread count into its code when it compiles it"
+    return None
+
+
+def choose_adaptive_threads(blocker: str | None) -> tuple[bool, str]:
+    """Off unless asked for, with the reason (which says why it would not apply, where `blocker` says so)."""
+    if blocker is not None:
+        return False, f"off: {blocker}"
+    return False, ("off unless asked: one sample of what is runnable cannot tell a process that keeps a core busy from "
+                   "one that runs for a millisecond. Beside a busy process it pays, since an OpenMP team that loses a "
+                   "core waits for it at each of a step's ~1,000 barriers (2-core EPYC, SmolLM2-135M bf16, 16 prompts "
+                   "of 286 tokens and 8 tokens out: 5.3-5.6 s on against 11.3-11.7 s off; 2.9-3.3 s alone either way). Beside "
+                   "guidellm's client, whose processes wake at each step's tokens, it gives up cores it would have "
+                   "had (3 alternating runs, 16 streams: request latency 6.6-7.8 s on against 6.2-6.8 s off); "
+                   "adaptive_threads=True for a machine shared with steady work")

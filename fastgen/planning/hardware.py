@@ -60,6 +60,9 @@ class Hardware:
     nodes: int = 1
     """Machines of a multi-node torchrun launch (WORLD_SIZE / LOCAL_WORLD_SIZE), each with `gpus`;
     tensor-parallel ranks may span them."""
+    machine_cpus: int = 0
+    """CPUs of the whole machine (`os.cpu_count()`), which `/proc/loadavg`'s runnable-task count covers;
+    0 = unknown."""
     cpp_compiler: str = ""
     """Path of the C++ compiler torch's extension toolchain would run (`$CXX`, else `c++`), which builds
     fastgen's CPU kernels; empty where there is none."""
@@ -103,6 +106,7 @@ def detect_hardware(device: str | torch.device | None = None, measure: bool = Fa
         matmul_gflops=measure_cpu_matmul() if measure else {},
         nodes=_torchrun_nodes(),
         cpp_compiler=shutil.which(os.environ.get("CXX") or "c++") or "",
+        machine_cpus=os.cpu_count() or 0,
     )
 
 

@@ -20,8 +20,8 @@ import torch
 from fastgen.models.quant import DEFAULT_GROUP_SIZE
 from fastgen.ops.packed_linear import PREPACK_DTYPES, prepack_available
 from fastgen.ops.prefault import prefault_supported
-from fastgen.planning.cpu_kernels_plan import (choose_cpu_attention, choose_decode_layer_kernel, decode_layer_blocker,
-                                               int4_kernel_reason)
+from fastgen.planning.cpu_kernels_plan import (adaptive_threads_blocker, choose_adaptive_threads, choose_cpu_attention,
+                                               choose_decode_layer_kernel, decode_layer_blocker, int4_kernel_reason)
 from fastgen.planning.hardware import Hardware, cpu_kernel_blocker, detect_hardware
 from fastgen.planning.head_plan import choose_lm_head_quantization, q8_head_bytes
 from fastgen.planning.lora_plan import choose_lora
@@ -169,13 +169,17 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     decode_layer = pick("decode_layer_kernel", lambda: choose_decode_layer_kernel(layer_blocker))
     if decode_layer and layer_blocker is not None:
         raise ValueError(f"decode_layer_kernel=True cannot apply: {layer_blocker}")
+    threads_blocker = adaptive_threads_blocker(hardware, compile_mode, tp)
+    adaptive = pick("adaptive_threads", lambda: choose_adaptive_threads(threads_blocker))
+    if adaptive and threads_blocker is not None:
+        raise ValueError(f"adaptive_threads=True cannot apply: {threads_blocker}")
     reasons = {name: reasons[name] for name in PLAN_FIELDS}
     return Plan(dtype=dtype, quantization=quant, quantization_group_size=group, attention_backend=attention, compile=compile_mode, cuda_graphs=graphs,
                 buckets=tuple(buckets), token_budget=budget, context_per_budget_token=context, max_seqs=max_seqs,
                 block_size=block_size, state_slots=state_slots, kv_prefault=prefault,
                 kv_cache_memory=kv[0], offload=stream.offload, weight_memory=stream.weight_memory,
                 weight_prepack=prepack, gemv_weights=gemv, lm_head_quantization=head_quant,
-                decode_layer_kernel=decode_layer, tensor_parallel=tp,
+                decode_layer_kernel=decode_layer, adaptive_threads=adaptive, tensor_parallel=tp,
                 replica_num=replicas,
                 speculative_config=spec, structured_outputs_backend=grammar, enable_lora=lora.enable_lora,
                 max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank, max_cpu_loras=lora.max_cpu_loras,
