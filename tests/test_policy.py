@@ -489,7 +489,13 @@ def test_cpu_compiles_only_models_big_enough_to_pay_for_it(models):
     prepacked = make_plan(models["1b"], _cpu())
     assert prepacked.weight_prepack and prepacked.compile == "off" and "weight_prepack" in prepacked.reasons["compile"]
     assert make_plan(models["1b"], _cpu(), weight_prepack=False).compile == "default"
-    assert make_plan(models["1b"], _cpu(), quantization="int8").compile == "default"
+    assert make_plan(models["1b"], _cpu(), quantization="int8").compile == "default"  # no compiler: torch's int8
+    # Quantized linears on fastgen's C++ kernels leave Inductor only the glue too.
+    builds = Hardware("cpu", 2, BF16_CPU, "AVX512", 24 * GIB, cpp_compiler="/usr/bin/c++")
+    for quantization in ("int8", "int4"):
+        plan = make_plan(models["1b"], builds, quantization=quantization)
+        assert plan.compile == "off" and "fastgen's C++ kernels" in plan.reasons["compile"], quantization
+    assert make_plan(models["1b"], builds, quantization="int4", quantization_group_size=32).compile == "default"
     assert make_plan(models["tiny"], _cpu(), compile="default").compile == "default"  # the user wins
     assert make_plan(models["tiny"], _gpus(H100)).compile == "default"
 
