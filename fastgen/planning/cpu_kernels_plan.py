@@ -64,7 +64,7 @@ def choose_decode_layer_kernel(blocker: str | None) -> tuple[bool, str]:
                   "layer as one C++ call (the same kernels, no Python between them): at batch 1 the Python around a "
                   "layer's kernels costs as much as the kernels (2-core EPYC, SmolLM2-135M int4 decode: ~300 us a "
                   "layer compiled, ~120 us as one call, 105 -> 142 tok/s); larger steps, and layers of another "
-                  "shape, keep the compiled forward")
+                  "shape, keep the layer's forward (compiled where the plan compiles)")
 
 
 def adaptive_threads_blocker(hw: Hardware, compile_mode: str, tensor_parallel: int) -> str | None:
@@ -72,12 +72,12 @@ def adaptive_threads_blocker(hw: Hardware, compile_mode: str, tensor_parallel: i
     if hw.device_type != "cpu":
         return "a GPU step's work does not run on CPU threads"
     if not adaptive_threads_supported():
-        return "this OS shows no runnable-task counts (Linux's /proc/loadavg and /proc/self/task)"
+        return "this OS shows no machine-wide CPU time (Linux's /proc/stat)"
     if hw.cpu_cores < 2:
         return "with one core a step already runs on one thread"
     if hw.machine_cpus != hw.cpu_cores:
-        return (f"/proc/loadavg counts the runnable tasks of all {hw.machine_cpus or 'the'} CPUs, and this process "
-                f"may use {hw.cpu_cores} of them")
+        return (f"/proc/stat counts the CPU time of all {hw.machine_cpus or 'the'} CPUs, and this process may use "
+                f"{hw.cpu_cores} of them")
     if tensor_parallel > 1:
         return "tensor-parallel ranks share the cores and step at once: each would count the others as competitors"
     if compile_mode != "off":
@@ -89,10 +89,10 @@ def choose_adaptive_threads(blocker: str | None) -> tuple[bool, str]:
     """Off unless asked for, with the reason (which says why it would not apply, where `blocker` says so)."""
     if blocker is not None:
         return False, f"off: {blocker}"
-    return False, ("off unless asked: one sample of what is runnable cannot tell a process that keeps a core busy from "
-                   "one that runs for a millisecond. Beside a busy process it pays, since an OpenMP team that loses a "
-                   "core waits for it at each of a step's ~1,000 barriers (2-core EPYC, SmolLM2-135M bf16, 16 prompts "
-                   "of 286 tokens and 8 tokens out: 5.3-5.6 s on against 11.3-11.7 s off; 2.9-3.3 s alone either way). Beside "
-                   "guidellm's client, whose processes wake at each step's tokens, it gives up cores it would have "
-                   "had (3 alternating runs, 16 streams: request latency 6.6-7.8 s on against 6.2-6.8 s off); "
-                   "adaptive_threads=True for a machine shared with steady work")
+    return False, ("off unless asked: it pays beside a process that keeps a core busy, since an OpenMP team that "
+                   "loses a core waits for it at each of a step's ~1,000 barriers (2-core EPYC, SmolLM2-135M bf16, 16 "
+                   "prompts of 286 tokens and 8 tokens out beside one busy process: 5.0 s on against 11.3-11.7 s off; "
+                   "2.4-2.8 s alone either way), but beside a load generator that shares the cores it gave up more "
+                   "than it won (guidellm, 16 streams, two alternating pairs: request latency 6.47 / 6.08 s, ITL 90.8 "
+                   "/ 80.7 ms on / off, TTFT 729 / 756 ms); adaptive_threads=True for a machine shared with steady "
+                   "work")

@@ -61,8 +61,7 @@ class Hardware:
     """Machines of a multi-node torchrun launch (WORLD_SIZE / LOCAL_WORLD_SIZE), each with `gpus`;
     tensor-parallel ranks may span them."""
     machine_cpus: int = 0
-    """CPUs of the whole machine (`os.cpu_count()`), which `/proc/loadavg`'s runnable-task count covers;
-    0 = unknown."""
+    """CPUs of the whole machine (`os.cpu_count()`), whose CPU time `/proc/stat` counts; 0 = unknown."""
     cpp_compiler: str = ""
     """Path of the C++ compiler torch's extension toolchain would run (`$CXX`, else `c++`), which builds
     fastgen's CPU kernels; empty where there is none."""

@@ -206,9 +206,9 @@ class Plan:
         "SiLU MLP) instead of its compiled graph; layers of another shape keep their forward", "bool | None",
         parse_bool, _check_bool)
     adaptive_threads: bool = plan_field(
-        "on a CPU, before each step read how many other tasks are runnable (/proc/loadavg, this process's threads "
-        "told apart) and run the step on the cores they leave free, at least one; the thread count the process "
-        "started with is the most a step gets. For a machine shared with steady work (off by default)", "bool | None", parse_bool, _check_bool)
+        "on a CPU, before each step estimate how many cores other processes kept busy over the last 0.1 s or more "
+        "(/proc/stat's busy time less this process's) and run the step on the cores they leave free, at least one; "
+        "the thread count the process started with is the most a step gets", "bool | None", parse_bool, _check_bool)
     tensor_parallel: int = plan_field(
         "ranks each replica's weights and KV cache are split over (one per GPU; on a CPU they share the cores; "
         "WORLD_SIZE under torchrun)", "int | None", int, _check_positive_int)
