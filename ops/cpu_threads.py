@@ -49,7 +49,8 @@ def step_threads(max_threads: int, cores: int, other_cores: float) -> int:
 class OtherLoad:
     """Cores that other processes kept busy over the last `WINDOW_S` or more: the machine's busy CPU time
     (`/proc/stat`, stolen time left out) less this process's (`time.process_time`), over wall time. Each call
-    is one sample; the window runs from the newest sample at least `WINDOW_S` old (the first call: 0)."""
+    is one sample; the window runs from the newest sample at least `WINDOW_S` old (the first call: 0), so after
+    an idle spell it is the load since the last step."""
 
     def __init__(self) -> None:
         self._stat = open(STAT, "rb", buffering=0)  # closed with this object
@@ -84,6 +85,7 @@ class ThreadGovernor:
         self.cores = cores
         self.max_threads = max_threads or torch.get_num_threads()
         self._sample = sample or OtherLoad()
+        self._sample()  # so that the first step's estimate covers the time since start-up
         self._current = self.max_threads
         self.reduced_steps = 0
         """Steps that ran on fewer than `max_threads` threads."""

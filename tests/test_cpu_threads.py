@@ -60,7 +60,7 @@ def test_other_load_counts_busy_processes_and_not_this_one():
 
 def test_governor_sets_the_count_for_the_step_and_restores_it():
     before = torch.get_num_threads()
-    samples = iter([0.0, 1.0, 0.2])
+    samples = iter([5.0, 0.0, 1.0, 0.2])  # the first is taken when the governor starts
     governor = ThreadGovernor(cores=2, max_threads=2, sample=lambda: next(samples))
     try:
         assert governor.adjust() == 2 and torch.get_num_threads() == 2
@@ -93,12 +93,13 @@ def test_engine_steps_on_changing_thread_counts_equal_hf(tiny_checkpoints, hf_re
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-    assert seen[::2] == [2] * len(seen[::2]) and seen[1::2] == [1] * len(seen[1::2]) and len(seen) > 4
+    # The governor's first sample is taken when it starts: steps 1, 3, 5, ... see another process's core busy.
+    assert seen[::2] == [1] * len(seen[::2]) and seen[1::2] == [2] * len(seen[1::2]) and len(seen) > 4
     for seq, (expected, _) in zip(seqs, hf_reference(path, prompts, 10)):
         assert seq.output_token_ids == expected
-    assert engine.stats()["num_steps_fewer_threads"] == len(seen[1::2])
+    assert engine.stats()["num_steps_fewer_threads"] == len(seen[::2])
     text = ServingMetrics(engine.stats).render()[0].decode()
-    assert f"fastgen_engine_steps_fewer_threads_total {float(len(seen[1::2]))}" in text
+    assert f"fastgen_engine_steps_fewer_threads_total {float(len(seen[::2]))}" in text
 
 
 def test_plan_chooses_and_refuses(tiny_checkpoints):
