@@ -116,7 +116,7 @@ class _EngineCollector:
                                       count_value=int(stats["num_steps"]), sum_value=float(stats["step_seconds_total"]))
         if "num_steps_fewer_threads" in stats:
             family = CounterMetricFamily("fastgen_engine_steps_fewer_threads",
-                                         "Steps run on fewer CPU threads because other processes were runnable.")
+                                         "Steps run on fewer CPU threads because other processes kept cores busy.")
             family.add_metric([], float(stats["num_steps_fewer_threads"]))
             yield family
 

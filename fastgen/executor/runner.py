@@ -175,7 +175,8 @@ class ModelRunner:
         elif device.type == "cpu" and attention_backend != "triton":  # the interpreter takes no padding step
             self._warm_up_eager(min(plan.token_budget, EAGER_WARMUP_TOKENS))
         self.threads = ThreadGovernor(len(os.sched_getaffinity(0))) if plan.adaptive_threads else None
-        """Sets each step's CPU thread count from what else is runnable (None: the plan's adaptive_threads is off)."""
+        """Sets each step's CPU thread count from the other processes' CPU load (None: the plan's adaptive_threads
+        is off)."""
 
     def _compile_layers(self, compile: str) -> None:
         """Regional compilation: each decoder layer runs through a compiled graph that the layers share

@@ -68,7 +68,7 @@ def choose_decode_layer_kernel(blocker: str | None) -> tuple[bool, str]:
 
 
 def adaptive_threads_blocker(hw: Hardware, compile_mode: str, tensor_parallel: int) -> str | None:
-    """Why a plan's steps cannot choose their thread count from what else is runnable (None: they can)."""
+    """Why a plan's steps cannot choose their thread count from the other processes' CPU load (None: they can)."""
     if hw.device_type != "cpu":
         return "a GPU step's work does not run on CPU threads"
     if not adaptive_threads_supported():
