@@ -1,4 +1,4 @@
-"""Adaptive CPU threads: each step runs on the cores that other runnable processes leave free."""
+"""Adaptive CPU threads: each step runs on the cores that other processes leave free."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_governor_sets_the_count_for_the_step_and_restores_it():
 
 
 def test_engine_steps_on_changing_thread_counts_equal_hf(tiny_checkpoints, hf_reference):
-    """Steps alternate between 1 and 2 threads (a scripted sample of what is runnable): greedy tokens equal
+    """Steps alternate between 1 and 2 threads (a scripted load of other processes): greedy tokens equal
     HF's, each step ran on the count chosen for it, and the engine's thread gets its count back after each."""
     path = tiny_checkpoints["llama"]
     engine = Engine.from_config(EngineConfig(model=path, dtype="float32", num_kv_blocks=64, block_size=4,
