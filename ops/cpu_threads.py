@@ -58,8 +58,8 @@ class OtherLoad:
         self._samples: collections.deque[tuple[float, float, float]] = collections.deque()
 
     def _busy_seconds(self) -> float:
-        fields = [int(v) for v in os.pread(self._stat.fileno(), 256, 0).split(b"\n", 1)[0].split()[1:9]]
-        user, nice, system, idle, iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
+        # user nice system idle iowait irq softirq (steal ...): the busy states, stolen time left out
+        user, nice, system, _, _, irq, softirq = map(int, os.pread(self._stat.fileno(), 256, 0).split()[1:8])
         return (user + nice + system + irq + softirq) / self._tick
 
     def __call__(self) -> float:

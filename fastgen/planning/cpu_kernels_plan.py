@@ -25,16 +25,26 @@ def choose_cpu_attention(hw: Hardware) -> tuple[str, str]:
                    f"{hw.cpp_compiler} at first use under {kernels_dir()}")
 
 
+def quantized_kernel_blocker(hw: Hardware, quantization: str, group_size: int) -> str | None:
+    """Why a CPU plan's `quantization` linears cannot run on fastgen's C++ kernels (None: they can: int8 on
+    the Q8_0 kernel, int4 on the Q4 kernel when its groups fill whole chunks)."""
+    if quantization not in ("int8", "int4"):
+        return f"fastgen's C++ linear kernels multiply int8 and int4 weights, not {quantization!r}"
+    blocker = cpu_kernel_blocker(hw)
+    if blocker is None and quantization == "int4" and group_size % CHUNK:
+        return f"the group size {group_size} is not a multiple of its {CHUNK}-input chunks"
+    return blocker
+
+
 def int4_kernel_reason(hw: Hardware, group_size: int) -> str:
     """Which kernel multiplies a CPU plan's int4 linears (the packing `QuantizedLinear` picks), and why."""
-    blocker = cpu_kernel_blocker(hw)
-    if blocker is None and group_size % CHUNK == 0:
+    why = quantized_kernel_blocker(hw, "int4", group_size)
+    if why is None:
         isa = pick_isa(isas_from_flags(hw.cpu_flags), requested_isa())
         dot = "VNNI" if isa == "avx512_bf16" else "AVX2 maddubs"
         return (f"int4 linears on fastgen's C++ kernel ({isa} variant): each row of x quantized to int8 per group, "
                 f"{dot} integer dot products, as llama.cpp multiplies its Q4 blocks (2-core EPYC, SmolLM2-135M "
                 "batch-1 decode: 70-78 -> 97-101 tok/s against torch's int4 kernel)")
-    why = blocker or f"the group size {group_size} is not a multiple of its {CHUNK}-input chunks"
     return f"int4 linears on torch's int4 kernel: fastgen's C++ one cannot run ({why})"
 
 

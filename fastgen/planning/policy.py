@@ -18,11 +18,11 @@ from typing import Any, Callable
 import torch
 
 from fastgen.models.quant import DEFAULT_GROUP_SIZE
-from fastgen.ops.cpu_kernels.q4 import CHUNK as Q4_CHUNK
 from fastgen.ops.packed_linear import PREPACK_DTYPES, prepack_available
 from fastgen.ops.prefault import prefault_supported
 from fastgen.planning.cpu_kernels_plan import (adaptive_threads_blocker, choose_adaptive_threads, choose_cpu_attention,
-                                               choose_decode_layer_kernel, decode_layer_blocker, int4_kernel_reason)
+                                               choose_decode_layer_kernel, decode_layer_blocker, int4_kernel_reason,
+                                               quantized_kernel_blocker)
 from fastgen.planning.hardware import Hardware, cpu_kernel_blocker, detect_hardware
 from fastgen.planning.head_plan import choose_lm_head_quantization, q8_head_bytes
 from fastgen.planning.lora_plan import choose_lora
@@ -143,8 +143,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
         if "gemv_weights" in user:
             reasons["gemv_weights"] += f"; the copies take {format_bytes(copy)} more"
     reasons["weight_memory"] = stream.weight_memory_reason
-    kernel_linears = cpu and cpu_kernel_blocker(hardware) is None and (
-        quant == "int8" or (quant == "int4" and group % Q4_CHUNK == 0))
+    kernel_linears = cpu and quantized_kernel_blocker(hardware, quant, group) is None
     compile_mode = pick("compile", lambda: _choose_compile(model, hardware, prepack, kernel_linears))
     if stream.offload != "none" and graphs:
         graphs = _without_graphs_for_offload(user, stream.offload, reasons)
