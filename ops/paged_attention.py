@@ -148,7 +148,7 @@ def torch_paged_attention(
     out, max_query_len = None, 0
     if kernels:
         if "kernel" not in plans:
-            plans["kernel"] = plan_kernel_step(block_tables, seq_lens, query_start_loc)
+            plans["kernel"] = plan_kernel_step(block_tables, seq_lens, query_start_loc, query.dtype)
         step = plans["kernel"]
         if step is not None:
             # The K/V write, the attention and the zeroed rows in one call: a decode step's layer ends here.

@@ -152,6 +152,56 @@ def test_multi_row_queries_through_the_kernel(kernel_isa, dtype, flags):
     assert torch.count_nonzero(out[~served]) == 0
 
 
+def _chunks_match_oracle(h: _Harness, isa: str, context: list[int], chunks: list[int]) -> None:
+    """Sequences with `context` tokens already in the cache each attend a chunk of `chunks[i]` tokens in one call of
+    the kernel's own op, every query length its own; checked against the oracle."""
+    seqs = [_Seq() for _ in context]
+    if any(context):  # written straight into the cache, as in `_decode`
+        _, key, value, k_cache, v_cache, slot_mapping = h.step_args([(s, n) for s, n in zip(seqs, context) if n])[:6]
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    args = h.step_args(list(zip(seqs, chunks)), pad_tokens=1, pad_rows=1)
+    expected = paged_attention_oracle(*args)[0]
+    out = kernel_op("paged_decode", isa)(*args, max(chunks))
+    tol = dict(rtol=2e-5, atol=2e-5) if h.k_cache.dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(out[:sum(chunks)].double(), expected[:sum(chunks)], **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 256])
+def test_prompt_chunks_in_lanes_match_oracle(kernel_isa, dtype, head_dim):
+    """Chunks whose rows x query heads per KV head fill 16 lanes take the lane path (AVX512): first chunks and
+    chunks over cached context, ragged lengths that leave the last vector part-empty, block sizes that cut
+    tiles short, every GQA ratio; shorter queries beside them keep the row path."""
+    for i, (q_heads, kv_heads) in enumerate(GQA):
+        block_size = (3, 16, 5, 32)[i]
+        h = _Harness(block_size=block_size, num_q_heads=q_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                     dtype=dtype, seed=head_dim + i, num_blocks=160)
+        _chunks_match_oracle(h, kernel_isa, context=[0, 21, 0, 7, 50], chunks=[37, 16, 1, 5, 23])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("flags", [dict(window=9, sinks=True), dict(chunk=8, softcap=3.0)], ids=str)
+def test_prompt_chunk_flags_in_lanes(kernel_isa, dtype, flags):
+    """Windows and attention chunks give each lane its own first key; soft-capping and sinks are per lane too."""
+    h = _Harness(block_size=4, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seed=11, num_blocks=96,
+                 **flags)
+    _chunks_match_oracle(h, kernel_isa, context=[0, 13, 30], chunks=[29, 11, 6])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_short_chunks_over_long_context_split_in_lanes(kernel_isa, dtype):
+    """Two rows of eight query heads on one KV head fill a vector; over 1500 keys on two threads their keys
+    are split over several items, merged by log-sum-exp."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        h = _Harness(block_size=16, num_q_heads=8, num_kv_heads=1, head_dim=64, dtype=dtype, num_blocks=200, seed=4,
+                     window=1400, sinks=True)
+        _chunks_match_oracle(h, kernel_isa, context=[1500, 40], chunks=[2, 3])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _bits(cache: torch.Tensor) -> torch.Tensor:
     """The cache's elements as integers of their width: equal iff equal bit for bit (NaNs included)."""
     return cache.view({4: torch.int32, 2: torch.int16}[cache.element_size()])
@@ -230,25 +280,34 @@ def test_decode_step_through_the_op_equals_the_torch_path(kernel_isa, dtype, fla
     assert planned == [1] and len(torch_rows) == 2  # the torch op's two calls alone
 
 
-def test_kernel_query_len_takes_long_chunks_only_over_short_contexts(monkeypatch):
-    """Up to `MAX_QUERY_LEN` always; a longer chunk while query tokens x sequence length stay within
-    `MAX_CHUNK_PAIRS`; never a length at or above the first chunk that exceeds it."""
-    monkeypatch.setattr(decode_module, "MAX_CHUNK_PAIRS", 1000)
-    assert decode_module.kernel_query_len([]) == decode_module.MAX_QUERY_LEN
-    assert decode_module.kernel_query_len([(3, 5000), (20, 40)]) == 20  # a short row over a long context too
-    assert decode_module.kernel_query_len([(20, 40), (30, 40), (25, 100)]) == 20  # 25 x 100 exceeds it: not 30
-    assert decode_module.kernel_query_len([(20, 40), (20, 500)]) == decode_module.MAX_QUERY_LEN
+def test_kernel_query_len_takes_long_chunks_only_over_short_contexts():
+    """Up to `MAX_QUERY_LEN` always; a longer chunk while query tokens x sequence length stay within the
+    bound; never a length at or above the first chunk that exceeds it; every chunk without a bound."""
+    assert decode_module.kernel_query_len([], 1000) == decode_module.MAX_QUERY_LEN
+    assert decode_module.kernel_query_len([(3, 5000), (20, 40)], 1000) == 20  # a short row over a long context too
+    assert decode_module.kernel_query_len([(20, 40), (30, 40), (25, 100)], 1000) == 20  # 25 x 100 exceeds it
+    assert decode_module.kernel_query_len([(20, 40), (20, 500)], 1000) == decode_module.MAX_QUERY_LEN
+    assert decode_module.kernel_query_len([(20, 40), (2000, 9000)], None) == 2000
+
+
+def test_chunk_bound_follows_the_kernel_variant_and_dtype():
+    """Rows one at a time (AVX2) keep the tight bound; lanes in fp32 a wider one; bf16 pairs none."""
+    limit = decode_module.chunk_pairs_limit
+    assert limit(torch.bfloat16, "avx2") == limit(torch.float32, "avx2") == decode_module.MAX_CHUNK_PAIRS
+    assert limit(torch.float32, "avx512_bf16") == limit(torch.bfloat16, "avx512") == decode_module.MAX_LANE_CHUNK_PAIRS
+    assert limit(torch.float16, "avx512_bf16") == decode_module.MAX_LANE_CHUNK_PAIRS
+    assert limit(torch.bfloat16, "avx512_bf16") is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_op_sends_queries_up_to_max_query_len_to_the_kernel(kernel_only, dtype, monkeypatch):
     """Through `paged_attention_cpu`: decode rows, a verification-shaped row (1 + 4 drafts) and a chunk of
     exactly `MAX_QUERY_LEN` tokens over earlier context go to the kernel; only the longer chunks (one
-    over cached context, one a first chunk) take the torch path, with `MAX_CHUNK_PAIRS` below them; all
-    match the oracle. With it above them, every chunk goes to the kernel."""
+    over cached context, one a first chunk) take the torch path, with the chunk bound below them; all
+    match the oracle. Without a bound, every chunk goes to the kernel."""
     from fastgen.ops.cpu_kernels import MAX_QUERY_LEN
 
-    monkeypatch.setattr(decode_module, "MAX_CHUNK_PAIRS", MAX_QUERY_LEN * 9)
+    monkeypatch.setattr(decode_module, "chunk_pairs_limit", lambda dtype, isa: MAX_QUERY_LEN * 9)
     long_rows = []
     real = paged_attention_module._attend_one
     monkeypatch.setattr(paged_attention_module, "_attend_one",
@@ -261,7 +320,7 @@ def test_the_op_sends_queries_up_to_max_query_len_to_the_kernel(kernel_only, dty
     h.step([(seqs[0], 1), (seqs[1], 5), (seqs[2], MAX_QUERY_LEN), (seqs[3], MAX_QUERY_LEN + 1), (seqs[4], 1),
             (seqs[5], MAX_QUERY_LEN + 3)], pad_tokens=2, pad_rows=1, op=CPU_OP)
     assert sorted(long_rows) == [MAX_QUERY_LEN + 1, MAX_QUERY_LEN + 3]
-    monkeypatch.setattr(decode_module, "MAX_CHUNK_PAIRS", 1 << 20)
+    monkeypatch.setattr(decode_module, "chunk_pairs_limit", lambda dtype, isa: None)
     long_rows.clear()
     h.step([(seqs[0], 1), (seqs[3], MAX_QUERY_LEN + 2), (seqs[5], 2 * MAX_QUERY_LEN + 5)], pad_tokens=1, op=CPU_OP)
     assert long_rows == []

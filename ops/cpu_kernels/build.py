@@ -33,7 +33,8 @@ KERNELS = ("paged_decode", "lora_delta", "q8_matmul", "q4_matmul", "bf16_matmul"
 """The kernels, each the source `<name>.cpp` built into its own library (its ops are `fastgen::<name>_<isa>`;
 `decode_layer` calls the others' ops, which their own users load)."""
 
-HEADERS = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("simd.h", "int8_dot.h", "tiles.h"))
+HEADERS = tuple(os.path.join(os.path.dirname(__file__), name)
+                for name in ("simd.h", "int8_dot.h", "tiles.h", "attention_rows.h", "attention_lanes.h"))
 """Headers the sources include (part of every build's key)."""
 
 

@@ -1,5 +1,5 @@
-"""The short-query rows of a paged-attention step (decode rows, speculative verification rows, short prompt
-chunks) on the C++ CPU kernel, which writes the step's K/V into the cache too; or nothing where it cannot
+"""The rows of a paged-attention step the C++ CPU kernel takes (decode rows, speculative verification rows,
+prompt chunks up to a bound), which writes the step's K/V into the cache too; or nothing where it cannot
 serve them."""
 
 from __future__ import annotations
@@ -8,31 +8,52 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgen.ops.cpu_kernels.build import active_op
+from fastgen.ops.cpu_kernels.build import kernel_op
+from fastgen.ops.cpu_kernels.isa import cpu_kernel_isa
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Cache dtypes the kernel reads (the query in the same dtype)."""
 
 MAX_QUERY_LEN = 16
 """Longest query (one sequence's tokens in a step) always sent to the kernel, whatever its context: a decode
-row, a verification row (1 + its drafts), a short prompt chunk. The kernel reads a sequence's keys once per
-query token, while torch's flash path over a longer chunk reads them once for all its rows after gathering
-them from the blocks: longer chunks take the kernel only within `MAX_CHUNK_PAIRS`."""
+row, a verification row (1 + its drafts), a short prompt chunk. Longer chunks take the kernel while their
+query tokens x sequence length stay within `chunk_pairs_limit`, where it beats torch's flash kernel over
+blocks gathered for it."""
 
 MAX_CHUNK_PAIRS = 1 << 18
-"""Longer prompt chunks go to the kernel too while their query tokens x the sequence's length stay within
-this. There the kernel, reading a sequence's keys once per query token from cache, beats gathering the
-blocks for torch's flash kernel; deeper or longer chunks it does not (2-core EPYC, SmolLM2-135M bf16,
-prefill tok/s kernel against torch: a 512-token first chunk 1035 / 907, chunks of 300 + 212 tokens 1310 /
-1045, four of 128 1383 / 1117; a 1024-token first chunk 916 / 909; a 2048-token one 648 / 740; a 3000-token
-prompt in 512-token chunks 414 / 516)."""
+"""Where the kernel attends one row at a time (AVX2), longer chunks take it while their query tokens x the
+sequence's length stay within this. There the kernel, reading a sequence's keys once per query token from
+cache, beats gathering the blocks for torch's flash kernel; deeper or longer chunks it does not (2-core EPYC,
+SmolLM2-135M bf16, prefill tok/s kernel against torch: a 512-token first chunk 1035 / 907, chunks of 300 + 212
+tokens 1310 / 1045, four of 128 1383 / 1117; a 1024-token first chunk 916 / 909; a 2048-token one 648 / 740; a
+3000-token prompt in 512-token chunks 414 / 516)."""
+
+MAX_LANE_CHUNK_PAIRS = 1 << 21
+"""The same bound where the kernel attends chunks 16 rows to a vector in fp32 (AVX512; fp32 caches, and
+fp16 or bf16 ones widened to fp32 without AVX512-BF16). One layer of SmolLM2-135M's shape, kernel against
+torch (`scripts/bench_cpu_attention.py`, 2-core EPYC, fp32): 1.30-1.45x up to 512 x 1024 pairs, 1.10-1.29x at
+128 x 1664 and 128 x 3712, 0.95-0.99x at 512 x 4096 and 512 x 8192, 0.74x at 2048 x 9728."""
 
 
-def kernel_query_len(chunks: list[tuple[int, int]]) -> int:
+def chunk_pairs_limit(dtype: torch.dtype, isa: str) -> int | None:
+    """The most query tokens x sequence length a longer chunk may have to take kernel variant `isa` in
+    `dtype`; None: no bound. bf16 with AVX512-BF16 has none: every chunk measured ran faster on the kernel,
+    scoring 16 rows a vector with bf16 pairs (1.6-2.7x torch's flash kernel, first chunks of 128-2048 tokens
+    and chunks of 128-2048 over up to 7680 cached tokens, one layer of SmolLM2-135M's shape, 2-core EPYC)."""
+    if isa == "avx2":
+        return MAX_CHUNK_PAIRS
+    if dtype == torch.bfloat16 and isa == "avx512_bf16":
+        return None
+    return MAX_LANE_CHUNK_PAIRS
+
+
+def kernel_query_len(chunks: list[tuple[int, int]], max_pairs: int | None) -> int:
     """The longest query (a sequence's tokens in the step) the kernel takes in a step whose sequences have
     `chunks` (query tokens, sequence length after the step): `MAX_QUERY_LEN`, or a longer chunk's length
-    while every chunk up to it keeps within `MAX_CHUNK_PAIRS` (the kernel takes every query up to one length)."""
-    refused = min((q for q, n in chunks if q > MAX_QUERY_LEN and q * n > MAX_CHUNK_PAIRS), default=None)
+    while every chunk up to it keeps within `max_pairs` query tokens x sequence length (None: no bound; the
+    kernel takes every query up to one length)."""
+    refused = None if max_pairs is None else min(
+        (q for q, n in chunks if q > MAX_QUERY_LEN and q * n > max_pairs), default=None)
     return max([MAX_QUERY_LEN] + [q for q, _ in chunks if refused is None or q < refused])
 
 
@@ -58,16 +79,17 @@ class KernelStep:
     """No sequence has a longer query: the op's output is the layer's whole answer."""
 
 
-def plan_kernel_step(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
-                     ) -> KernelStep | None:
-    """The kernel's part of a step, the same for each layer; None where the kernel is off
-    (`FASTGEN_CPU_KERNELS`), could not be built, or attends none of the step's sequences."""
-    op = active_op("paged_decode") if seq_lens.device.type == "cpu" else None
+def plan_kernel_step(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                     dtype: torch.dtype) -> KernelStep | None:
+    """The kernel's part of a step whose attention runs in `dtype`, the same for each layer; None where the
+    kernel is off (`FASTGEN_CPU_KERNELS`), could not be built, or attends none of the step's sequences."""
+    isa = cpu_kernel_isa() if seq_lens.device.type == "cpu" else None
+    op = kernel_op("paged_decode", isa) if isa is not None else None
     if op is None:
         return None
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     queries = [(starts[s + 1] - starts[s], n) for s, n in enumerate(lens) if n > 0 and starts[s + 1] > starts[s]]
-    max_query_len = kernel_query_len(queries)
+    max_query_len = kernel_query_len(queries, chunk_pairs_limit(dtype, isa))
     if not any(q <= max_query_len for q, _ in queries):
         return None
     metadata = tuple(t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()

@@ -1,16 +1,18 @@
-// Paged attention of few-row queries (decode rows) over the blocked KV cache, read in place, after
-// writing the step's K/V into that cache.
+// Paged attention of a step's queries (decode rows, verification rows, prompt chunks) over the blocked KV
+// cache, read in place, after writing the step's K/V into that cache.
 //
 // One call serves every sequence of a step, and is all a layer of a decode step runs: the Python around a
 // separate KV write (two index_put_ calls) and a zeroed output cost as much as the attention of a short
 // context (SmolLM2-135M, batch 1, ~300 tokens: ~20 us each).
 //
-// Work items are (sequence, KV head, key split): an item scores each tile of its keys (at most 16 tokens of
-// one block) against all the query heads sharing that KV head, then folds the tile into an online softmax
-// kept in fp32. A sequence whose keys are split over several items (long contexts, few sequences: enough
-// items to keep every core busy) gets its partial results merged through their log-sum-exps, as in
-// flash-decoding. Only the slots a row may see are ever read, so whatever stale or NaN values lie beyond
-// them never reach a result.
+// Work items are (sequence, KV head, key split, rows). Rows of few-token queries (decode) are attended one at a
+// time: an item scores each tile of its keys (at most 16 tokens of one block) against all the query heads
+// sharing that KV head, then folds the tile into an online softmax kept in fp32. Queries whose tokens x query
+// heads per KV head fill a 16-lane vector (prompt chunks) are attended 16 virtual rows at a time on AVX512
+// (attention_lanes.h): 1.3-2x the rows' rate (prompt chunks of SmolLM2-135M's shape, 2-core EPYC). A sequence
+// whose keys are split over several items (long contexts, few sequences: enough items to keep every core busy)
+// gets its partial results merged through their log-sum-exps, as in flash-decoding. Only the slots a row may
+// see are ever read, so whatever stale or NaN values lie beyond them never reach a result.
 //
 // Built once per ISA variant (ops/cpu_kernels/isa.py names the flags); FASTGEN_ISA names the op.
 
@@ -29,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -60,268 +63,6 @@ struct Problem {
   int64_t window, chunk;
 };
 
-// The online softmax of one row and one KV head's query heads: running max, sum and unnormalised output.
-struct RowState {
-  float m[kMaxGroup];
-  float l[kMaxGroup];
-  alignas(64) float acc[kMaxGroup][kMaxHeadDim];
-
-  void reset(int64_t group, int64_t dim) {
-    for (int64_t g = 0; g < group; ++g) {
-      m[g] = -std::numeric_limits<float>::infinity();
-      l[g] = 0.0f;
-      std::fill(acc[g], acc[g] + dim, 0.0f);
-    }
-  }
-};
-
-// Lane t of the result: the sum of the lanes of acc[t] (kTile accumulators, one per token).
-inline void lane_sums(const vf* acc, float* out) {
-#if defined(__AVX512F__)
-  // A transposing add tree: 45 shuffles and adds for 16 sums, against ~8 per sum reduced one by one.
-  vf quads[4];
-  for (int q = 0; q < 4; ++q) {
-    const vf* a = acc + 4 * q;
-    vf s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-    vf s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
-    quads[q] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  auto fold = [](vf x, vf y) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-  };
-  vstore(out, fold(fold(quads[0], quads[1]), fold(quads[2], quads[3])));
-#else
-  for (int t = 0; t < kTile; ++t) out[t] = vsum(acc[t]);
-#endif
-}
-
-inline vf dot_lanes(const float* q, const float* k, int64_t dim) {
-  vf acc = vzero();
-  for (int64_t d = 0; d < dim; d += W) acc = vfma(vload(q + d), vload(k + d), acc);
-  return acc;
-}
-
-#if defined(__AVX512BF16__)
-// Pairs of bf16 products summed into fp32 lanes: the keys are never widened.
-inline vf dot_lanes(const c10::BFloat16* q, const c10::BFloat16* k, int64_t dim) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t d = 0;
-  for (; d + 32 <= dim; d += 32) {
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
-  }
-  if (d < dim) {  // head dims of 16 mod 32 (80, 48): the last 16 elements, the rest of the register zero
-    const __mmask32 half = 0xFFFFu;
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(half, q + d),
-                           (__m512bh)_mm512_maskz_loadu_epi16(half, k + d));
-  }
-  return acc;
-}
-#endif
-
-// Scores of `n` tokens from `k` against the row's query heads, into s[g][t] (scaled); `tile` is scratch.
-template <typename T>
-inline void score_tile(const Problem& p, const T* q, const float* qf, const T* k, int64_t n, float (*s)[kTile],
-                       float (*tile)[kMaxHeadDim]) {
-  const int64_t D = p.head_dim;
-  vf acc[kTile];
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    for (int64_t g = 0; g < p.group; ++g) {
-      for (int64_t t = 0; t < kTile; ++t) acc[t] = t < n ? dot_lanes(q + g * D, k + t * p.k_token, D) : vzero();
-      lane_sums(acc, s[g]);
-      for (int t0 = 0; t0 < kTile; t0 += W) vstore(s[g] + t0, vmul(vload(s[g] + t0), vset(p.scale)));
-    }
-    return;
-  }
-#endif
-  (void)q;
-  const float* rows[kTile];
-  for (int64_t t = 0; t < n; ++t) {
-    if constexpr (std::is_same_v<T, float>) {
-      rows[t] = k + t * p.k_token;
-    } else {  // widened once, then dotted with every query head from L1
-      for (int64_t d = 0; d < D; d += W) vstore(tile[t] + d, vload(k + t * p.k_token + d));
-      rows[t] = tile[t];
-    }
-  }
-  for (int64_t g = 0; g < p.group; ++g) {
-    for (int64_t t = 0; t < kTile; ++t) acc[t] = t < n ? dot_lanes(qf + g * D, rows[t], D) : vzero();
-    lane_sums(acc, s[g]);  // qf carries the scale
-  }
-}
-
-// One tile's scores s[0..kTile) (-inf beyond its n tokens) folded into the running max m and sum l: s becomes
-// the weights exp(s - m_new); returns the factor the accumulated values are rescaled by.
-inline float softmax_tile(float* s, int64_t n, float& m, float& l) {
-  float tile_max = s[0];
-  for (int64_t t = 1; t < n; ++t) tile_max = std::max(tile_max, s[t]);
-  const float m_new = std::max(m, tile_max);
-  const float alpha = std::exp(m - m_new);  // 0 on the first tile (m = -inf)
-  float sum = 0.0f;
-  for (int t0 = 0; t0 < kTile; t0 += W) {
-    vf e = vexp(vsub(vload(s + t0), vset(m_new)));
-    vstore(s + t0, e);
-    sum += vsum(e);
-  }
-  l = l * alpha + sum;
-  m = m_new;
-  return alpha;
-}
-
-// acc = alpha * acc + sum over t < n of p[t] * rows[t]. Four vectors of the head at a time: a single
-// accumulator would chain every token's FMA on the one before (latency-bound, ~3x slower).
-inline void accumulate_values(float* acc, float alpha, const float* p, const float* const* rows, int64_t n,
-                              int64_t dim) {
-  const vf va = vset(alpha);
-  int64_t d = 0;
-  for (; d + 4 * W <= dim; d += 4 * W) {
-    vf a0 = vmul(vload(acc + d), va), a1 = vmul(vload(acc + d + W), va);
-    vf a2 = vmul(vload(acc + d + 2 * W), va), a3 = vmul(vload(acc + d + 3 * W), va);
-    for (int64_t t = 0; t < n; ++t) {
-      const vf pt = vset(p[t]);
-      const float* r = rows[t] + d;
-      a0 = vfma(pt, vload(r), a0);
-      a1 = vfma(pt, vload(r + W), a1);
-      a2 = vfma(pt, vload(r + 2 * W), a2);
-      a3 = vfma(pt, vload(r + 3 * W), a3);
-    }
-    vstore(acc + d, a0);
-    vstore(acc + d + W, a1);
-    vstore(acc + d + 2 * W, a2);
-    vstore(acc + d + 3 * W, a3);
-  }
-  for (; d < dim; d += W) {
-    vf a = vmul(vload(acc + d), va);
-    for (int64_t t = 0; t < n; ++t) a = vfma(vset(p[t]), vload(rows[t] + d), a);
-    vstore(acc + d, a);
-  }
-}
-
-#if defined(__AVX512BF16__)
-constexpr int kChunks = kMaxHeadDim / 32;
-
-// bf16 values of `n` tokens as token pairs: pair j, 32-element chunk c -> (lo, hi) at pairs[(j * kChunks + c) * 2],
-// token 2j in the even 16-bit halves, 2j + 1 (or zero) in the odd ones. Each 128-bit lane L of lo holds
-// elements 8L..8L+3 of the chunk, of hi 8L+4..8L+7: accumulators keep that order until `unpermute`.
-inline void pair_values(const c10::BFloat16* v, int64_t token_stride, int64_t n, int64_t dim, __m512i* pairs) {
-  for (int64_t j = 0; 2 * j < n; ++j) {
-    const c10::BFloat16* a = v + 2 * j * token_stride;
-    const bool has_b = 2 * j + 1 < n;
-    for (int64_t c = 0, d = 0; d < dim; ++c, d += 32) {
-      const __mmask32 m = dim - d >= 32 ? 0xFFFFFFFFu : (1u << (dim - d)) - 1;  // a 16-element tail
-      const __m512i va = _mm512_maskz_loadu_epi16(m, a + d);
-      const __m512i vb = has_b ? _mm512_maskz_loadu_epi16(m, a + token_stride + d) : _mm512_setzero_si512();
-      pairs[(j * kChunks + c) * 2] = _mm512_unpacklo_epi16(va, vb);
-      pairs[(j * kChunks + c) * 2 + 1] = _mm512_unpackhi_epi16(va, vb);
-    }
-  }
-}
-
-// acc (permuted, chunks cs..cs+NC) = alpha * acc + sum over token pairs of (p[2j], p[2j+1]) . pair j: bf16
-// products summed in fp32, 2 * NC independent accumulators.
-template <int NC>
-inline void accumulate_pair_chunks(float* acc, vf va, const uint32_t* pp, int64_t npairs, const __m512i* pairs,
-                                   int64_t cs) {
-  vf a[2 * NC];
-  for (int i = 0; i < 2 * NC; ++i) a[i] = vmul(vload(acc + 32 * cs + 16 * i), va);
-  for (int64_t j = 0; j < npairs; ++j) {
-    const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[j]));
-    for (int i = 0; i < 2 * NC; ++i) a[i] = _mm512_dpbf16_ps(a[i], pj, (__m512bh)pairs[(j * kChunks + cs) * 2 + i]);
-  }
-  for (int i = 0; i < 2 * NC; ++i) vstore(acc + 32 * cs + 16 * i, a[i]);
-}
-
-// The weights p[0..kTile) (zero beyond the tile's tokens) as bf16 pairs, then acc += them . the value pairs.
-inline void accumulate_pairs(float* acc, float alpha, const float* p, const __m512i* pairs, int64_t n, int64_t dim) {
-  alignas(32) uint32_t pp[kTile / 2];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p)));
-  const vf va = vset(alpha);
-  const int64_t chunks = (dim + 31) / 32, npairs = (n + 1) / 2;
-  int64_t c = 0;
-  for (; c + 4 <= chunks; c += 4) accumulate_pair_chunks<4>(acc, va, pp, npairs, pairs, c);
-  switch (chunks - c) {
-    case 3: accumulate_pair_chunks<3>(acc, va, pp, npairs, pairs, c); break;
-    case 2: accumulate_pair_chunks<2>(acc, va, pp, npairs, pairs, c); break;
-    case 1: accumulate_pair_chunks<1>(acc, va, pp, npairs, pairs, c); break;
-    default: break;
-  }
-}
-
-// `accumulate_pairs`' order back to the head's: lane 4L+k of a chunk's lo is element 8L+k, of its hi 8L+4+k.
-inline void unpermute(float* acc, int64_t dim) {
-  float tmp[32];
-  for (int64_t d = 0; d < dim; d += 32) {
-    for (int i = 0; i < 16; ++i) {
-      tmp[8 * (i / 4) + i % 4] = acc[d + i];
-      tmp[8 * (i / 4) + 4 + i % 4] = acc[d + 16 + i];
-    }
-    std::copy(tmp, tmp + std::min<int64_t>(32, dim - d), acc + d);
-  }
-}
-#endif
-
-// Folds keys lo..hi (positions of the sequence) of one KV head into `st` for the query heads `q`/`qf`.
-template <typename T>
-void attend_range(const Problem& p, const int32_t* table, int64_t head, const T* q, const float* qf,
-                  int64_t lo, int64_t hi, RowState& st) {
-  const int64_t D = p.head_dim, G = p.group;
-  alignas(64) float s[kMaxGroup][kTile];
-  alignas(64) float tile[kTile][kMaxHeadDim];  // widened keys, then widened values
-#if defined(__AVX512BF16__)
-  __m512i pairs[kTile / 2 * kChunks * 2];
-#endif
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
-  for (int64_t pos = lo; pos < hi;) {
-    const int64_t block = table[pos / p.block_size], offset = pos % p.block_size;
-    const int64_t n = std::min({hi - pos, p.block_size - offset, static_cast<int64_t>(kTile)});
-    const T* k = kc + block * p.k_block + offset * p.k_token + head * p.k_head;
-    const T* v = vc + block * p.v_block + offset * p.v_token + head * p.v_head;
-    score_tile(p, q, qf, k, n, s, tile);
-    if (p.softcap > 0) {
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t t = 0; t < n; ++t) s[g][t] = p.softcap * std::tanh(s[g][t] / p.softcap);
-    }
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t t = n; t < kTile; ++t) s[g][t] = -std::numeric_limits<float>::infinity();
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      // bf16 values stay bf16: weights rounded to bf16 and multiplied two tokens at a time.
-      pair_values(v, p.v_token, n, D, pairs);
-      for (int64_t g = 0; g < G; ++g) {
-        const float alpha = softmax_tile(s[g], n, st.m[g], st.l[g]);
-        accumulate_pairs(st.acc[g], alpha, s[g], pairs, n, D);
-      }
-      pos += n;
-      continue;
-    }
-#endif
-    // Values widened once per tile (fp32 caches are read where they lie).
-    const float* vrow[kTile];
-    for (int64_t t = 0; t < n; ++t) {
-      const T* vtok = v + t * p.v_token;
-      if constexpr (std::is_same_v<T, float>) {
-        vrow[t] = vtok;
-      } else {
-        for (int64_t d = 0; d < D; d += W) vstore(tile[t] + d, vload(vtok + d));
-        vrow[t] = tile[t];
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      const float alpha = softmax_tile(s[g], n, st.m[g], st.l[g]);
-      accumulate_values(st.acc[g], alpha, s[g], vrow, n, D);
-    }
-    pos += n;
-  }
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    for (int64_t g = 0; g < G; ++g) unpermute(st.acc[g], D);
-  }
-#endif
-}
-
 // First key position query position `i` may see (causal end is i itself).
 inline int64_t first_visible(const Problem& p, int64_t i) {
   int64_t lo = 0;
@@ -335,22 +76,26 @@ inline void store_row(T* dst, const float* src, int64_t n, float norm) {
   for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<T>(src[d] * norm);
 }
 
-// One sequence and KV head's share of keys lo..hi, for its rows (one per query token).
+#include "attention_rows.h"
+#include "attention_lanes.h"
+
+// One sequence and KV head's share of keys lo..hi, for its query token rows r0..r1.
 struct Item {
-  int64_t seq, head, lo, hi, split, splits;
+  int64_t seq, head, lo, hi, split, splits, r0, r1;
   int64_t partial;  // offset of its partial results when splits > 1
   int64_t cost;
+  bool lanes;  // rows attended 16 virtual rows at a time (`attend_lanes`)
 };
 
 template <typename T>
-void run_item(const Problem& p, const Item& it, float* partials) {
+void run_rows(const Problem& p, const Item& it, float* partials) {
   const int64_t D = p.head_dim, G = p.group;
   const int64_t q_start = p.query_start_loc[it.seq], q_len = p.query_start_loc[it.seq + 1] - q_start;
   const int64_t seq_len = p.seq_lens[it.seq];
   const int32_t* table = p.block_tables + it.seq * p.table_stride;
   RowState st;
   alignas(64) float qf[kMaxGroup * kMaxHeadDim];
-  for (int64_t r = 0; r < q_len; ++r) {
+  for (int64_t r = it.r0; r < it.r1; ++r) {
     const int64_t i = seq_len - q_len + r;
     const int64_t token = q_start + r;
     const T* q = static_cast<const T*>(p.query) + (token * p.kv_heads * G + it.head * G) * D;
@@ -366,7 +111,7 @@ void run_item(const Problem& p, const Item& it, float* partials) {
         store_row(o + g * D, st.acc[g], D, 1.0f / total);
       }
     } else {
-      float* dst = partials + it.partial + r * G * (D + 2);
+      float* dst = partials + it.partial + (r - it.r0) * G * (D + 2);
       for (int64_t g = 0; g < G; ++g) {
         dst[g * (D + 2)] = st.m[g];
         dst[g * (D + 2) + 1] = st.l[g];
@@ -376,21 +121,22 @@ void run_item(const Problem& p, const Item& it, float* partials) {
   }
 }
 
-// The split items of one sequence and KV head (consecutive in `items`) merged into the output.
+// The split items of one sequence, KV head and rows (consecutive in `items`) merged into the output.
 template <typename T>
 void merge_splits(const Problem& p, const Item* first, const float* partials) {
   const int64_t D = p.head_dim, G = p.group, splits = first->splits;
-  const int64_t q_start = p.query_start_loc[first->seq], q_len = p.query_start_loc[first->seq + 1] - q_start;
+  const int64_t q_start = p.query_start_loc[first->seq];
   std::vector<float> acc(D);
-  for (int64_t r = 0; r < q_len; ++r) {
+  for (int64_t r = first->r0; r < first->r1; ++r) {
     T* o = static_cast<T*>(p.out) + ((q_start + r) * p.kv_heads * G + first->head * G) * D;
+    const int64_t row = (r - first->r0) * G * (D + 2);
     for (int64_t g = 0; g < G; ++g) {
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t k = 0; k < splits; ++k) m = std::max(m, partials[first[k].partial + r * G * (D + 2) + g * (D + 2)]);
+      for (int64_t k = 0; k < splits; ++k) m = std::max(m, partials[first[k].partial + row + g * (D + 2)]);
       float total = 0.0f;
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t k = 0; k < splits; ++k) {
-        const float* part = partials + first[k].partial + r * G * (D + 2) + g * (D + 2);
+        const float* part = partials + first[k].partial + row + g * (D + 2);
         if (part[1] == 0.0f) continue;  // a split holding none of this row's keys
         const float w = std::exp(part[0] - m);
         total += part[1] * w;
@@ -400,6 +146,14 @@ void merge_splits(const Problem& p, const Item* first, const float* partials) {
       store_row(o + g * D, acc.data(), D, 1.0f / total);
     }
   }
+}
+
+// Token rows per item of a chunk attended in lanes: whole vectors of virtual rows (rows x G a multiple of 16),
+// about 64 virtual rows, so a chunk's items balance over the threads.
+inline int64_t lane_item_rows(int64_t group) {
+  int64_t rows = 1;
+  while (rows * group % 16 != 0) ++rows;
+  return rows * std::max<int64_t>(1, 64 / (rows * group));
 }
 
 template <typename T>
@@ -432,14 +186,25 @@ void run(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t max_que
   int64_t partial_floats = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (spans[s] == 0) continue;
-    const int64_t q_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
+    const int64_t q_len = p.query_start_loc[s + 1] - p.query_start_loc[s], seq_len = p.seq_lens[s];
     const int64_t splits = (spans[s] + split_len - 1) / split_len;
     const int64_t step = (spans[s] + splits - 1) / splits;
+#if defined(__AVX512F__)
+    const bool lanes = q_len * p.group >= kLanes;
+#else
+    const bool lanes = false;
+#endif
+    const int64_t item_rows = lanes ? lane_item_rows(p.group) : q_len;
     for (int64_t h = 0; h < p.kv_heads; ++h) {
-      for (int64_t k = 0; k < splits; ++k) {
-        const int64_t lo = starts[s] + k * step, hi = std::min(starts[s] + spans[s], lo + step);
-        items.push_back({s, h, lo, hi, k, splits, partial_floats, (hi - lo) * q_len});
-        if (splits > 1) partial_floats += q_len * p.group * (p.head_dim + 2);
+      for (int64_t r0 = 0; r0 < q_len; r0 += item_rows) {
+        const int64_t r1 = std::min(q_len, r0 + item_rows);
+        const int64_t middle = seq_len - q_len + (r0 + r1) / 2;  // the rows' causal ends, on average
+        for (int64_t k = 0; k < splits; ++k) {
+          const int64_t lo = starts[s] + k * step, hi = std::min(starts[s] + spans[s], lo + step);
+          const int64_t cost = (r1 - r0) * std::max<int64_t>(1, std::min(hi, middle + 1) - lo);
+          items.push_back({s, h, lo, hi, k, splits, r0, r1, partial_floats, cost, lanes});
+          if (splits > 1) partial_floats += (r1 - r0) * p.group * (p.head_dim + 2);
+        }
       }
     }
   }
@@ -451,8 +216,23 @@ void run(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t max_que
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t, int64_t) {
+#if defined(__AVX512F__)
+    std::optional<LaneScratch> scratch;
+#endif
     for (int64_t i = next++; i < static_cast<int64_t>(order.size()); i = next++) {
-      run_item<T>(p, items[order[i]], partials.data());
+      const Item& it = items[order[i]];
+      if (!it.lanes) {
+        run_rows<T>(p, it, partials.data());
+        continue;
+      }
+#if defined(__AVX512F__)
+      if (!scratch) scratch.emplace(p.head_dim);
+      float* partial = it.splits > 1 ? partials.data() + it.partial : nullptr;
+      for (int64_t v = it.r0 * p.group; v < it.r1 * p.group; v += kLanes) {
+        attend_lanes<T>(p, it.seq, it.head, it.lo, it.hi, it.r0, v, std::min(kLanes, it.r1 * p.group - v), partial,
+                        *scratch);
+      }
+#endif
     }
   };
   // A step this small is done before a parallel region would have started its threads.
