@@ -129,6 +129,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.bar([r["engine"] for r in rows], [r[key] for r in rows], color=["tab:blue", "tab:orange"][:len(rows)])
         ax.set_title(f"median {label}")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path)
 
 
