@@ -140,8 +140,9 @@ def torch_paged_attention(
     Returns `[T, num_q_heads, head_dim]`, zeros for padded tokens. `step_plans`
     (`AttentionMetadata.step_plans`): what the first layer of a step works out from the metadata,
     kept for the other layers; None works it out for this call only. `kernels`: the rows of sequences
-    with at most `MAX_QUERY_LEN` query tokens, and of longer chunks over short contexts (`kernel_query_len`),
-    go to the C++ CPU kernel where it serves the call (`cpu_paged_attention`), which writes the K/V too.
+    with at most `MAX_QUERY_LEN` query tokens, and of longer chunks within the kernel's bound
+    (`chunk_pairs_limit`: every chunk in bf16 with AVX512-BF16), go to the C++ CPU kernel where it serves
+    the call (`cpu_paged_attention`), which writes the K/V too.
     """
     plans = (_tensor_step_plans(slot_mapping, block_tables, query_start_loc, seq_lens) if step_plans is None
              else step_plans)
@@ -219,7 +220,7 @@ def _tensor_step_plans(slot_mapping: torch.Tensor, block_tables: torch.Tensor, q
 def cpu_paged_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
     """`torch_paged_attention` with `kernels=True` (the backend "cpu"): the rows of every sequence with at
     most `MAX_QUERY_LEN` query tokens (decode rows, speculative verification rows, short prompt chunks), and
-    of longer chunks over short contexts (`kernel_query_len`), attended by fastgen's C++ CPU kernel in one
+    of longer chunks within the kernel's bound (`chunk_pairs_limit`), attended by fastgen's C++ CPU kernel in one
     call (`fastgen.ops.cpu_kernels`); the other chunks, and every row where the kernel is off, unbuilt or
     does not take the call's shapes, stay on the torch path."""
     return torch_paged_attention(*args, **kwargs, kernels=True)

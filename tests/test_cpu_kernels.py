@@ -328,7 +328,8 @@ def test_the_op_sends_queries_up_to_max_query_len_to_the_kernel(kernel_only, dty
 
 @pytest.mark.parametrize("isa", ["avx512_bf16", "avx512", "avx2"])
 def test_forced_isa_variants(kernel_isa, isa, monkeypatch):
-    """`FASTGEN_CPU_KERNELS` caps the variant; each variant this CPU runs matches the oracle in fp32 and bf16."""
+    """`FASTGEN_CPU_KERNELS` caps the variant; each variant this CPU runs matches the oracle in fp32 and bf16,
+    on decode rows and on prompt chunks (in lanes on the AVX512 variants, bf16 widened without AVX512-BF16)."""
     if isa not in supported_isas():
         pytest.skip(f"this CPU does not run {isa}")
     monkeypatch.setenv(ENV_VAR, isa)
@@ -338,6 +339,8 @@ def test_forced_isa_variants(kernel_isa, isa, monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):
         h = _Harness(block_size=16, num_q_heads=9, num_kv_heads=3, head_dim=80, dtype=dtype, seed=2)
         _decode(h, _lengths(16, seed=4))
+        h = _Harness(block_size=16, num_q_heads=9, num_kv_heads=3, head_dim=80, dtype=dtype, seed=3)
+        _chunks_match_oracle(h, isa, context=[0, 19], chunks=[21, 7])
 
 
 def test_kernels_off_take_the_torch_path(kernel_isa, monkeypatch):
