@@ -141,7 +141,7 @@ def torch_paged_attention(
     (`AttentionMetadata.step_plans`): what the first layer of a step works out from the metadata,
     kept for the other layers; None works it out for this call only. `kernels`: the rows of sequences
     with at most `MAX_QUERY_LEN` query tokens, and of longer chunks within the kernel's bound
-    (`chunk_pairs_limit`: every chunk in bf16 with AVX512-BF16), go to the C++ CPU kernel where it serves
+    (`chunk_pairs_limit`: every chunk with AVX512-BF16), go to the C++ CPU kernel where it serves
     the call (`cpu_paged_attention`), which writes the K/V too.
     """
     plans = (_tensor_step_plans(slot_mapping, block_tables, query_start_loc, seq_lens) if step_plans is None
@@ -149,7 +149,7 @@ def torch_paged_attention(
     out, max_query_len = None, 0
     if kernels:
         if "kernel" not in plans:
-            plans["kernel"] = plan_kernel_step(block_tables, seq_lens, query_start_loc, query.dtype)
+            plans["kernel"] = plan_kernel_step(block_tables, seq_lens, query_start_loc)
         step = plans["kernel"]
         if step is not None:
             # The K/V write, the attention and the zeroed rows in one call: a decode step's layer ends here.

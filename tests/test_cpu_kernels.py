@@ -290,13 +290,13 @@ def test_kernel_query_len_takes_long_chunks_only_over_short_contexts():
     assert decode_module.kernel_query_len([(20, 40), (2000, 9000)], None) == 2000
 
 
-def test_chunk_bound_follows_the_kernel_variant_and_dtype():
-    """Rows one at a time (AVX2) keep the tight bound; lanes in fp32 a wider one; bf16 pairs none."""
-    limit = decode_module.chunk_pairs_limit
-    assert limit(torch.bfloat16, "avx2") == limit(torch.float32, "avx2") == decode_module.MAX_CHUNK_PAIRS
-    assert limit(torch.float32, "avx512_bf16") == limit(torch.bfloat16, "avx512") == decode_module.MAX_LANE_CHUNK_PAIRS
-    assert limit(torch.float16, "avx512_bf16") == decode_module.MAX_LANE_CHUNK_PAIRS
-    assert limit(torch.bfloat16, "avx512_bf16") is None
+def test_chunk_bound_follows_the_kernel_variant():
+    """Rows one at a time (AVX2) keep the tight bound; lanes without bf16 dot products a wider one; AVX512-BF16
+    none."""
+    assert decode_module.chunk_pairs_limit("avx2") == decode_module.MAX_CHUNK_PAIRS
+    assert decode_module.chunk_pairs_limit("avx512") == decode_module.MAX_LANE_CHUNK_PAIRS
+    assert decode_module.MAX_LANE_CHUNK_PAIRS > decode_module.MAX_CHUNK_PAIRS
+    assert decode_module.chunk_pairs_limit("avx512_bf16") is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -307,7 +307,7 @@ def test_the_op_sends_queries_up_to_max_query_len_to_the_kernel(kernel_only, dty
     match the oracle. Without a bound, every chunk goes to the kernel."""
     from fastgen.ops.cpu_kernels import MAX_QUERY_LEN
 
-    monkeypatch.setattr(decode_module, "chunk_pairs_limit", lambda dtype, isa: MAX_QUERY_LEN * 9)
+    monkeypatch.setattr(decode_module, "chunk_pairs_limit", lambda isa: MAX_QUERY_LEN * 9)
     long_rows = []
     real = paged_attention_module._attend_one
     monkeypatch.setattr(paged_attention_module, "_attend_one",
@@ -320,7 +320,7 @@ def test_the_op_sends_queries_up_to_max_query_len_to_the_kernel(kernel_only, dty
     h.step([(seqs[0], 1), (seqs[1], 5), (seqs[2], MAX_QUERY_LEN), (seqs[3], MAX_QUERY_LEN + 1), (seqs[4], 1),
             (seqs[5], MAX_QUERY_LEN + 3)], pad_tokens=2, pad_rows=1, op=CPU_OP)
     assert sorted(long_rows) == [MAX_QUERY_LEN + 1, MAX_QUERY_LEN + 3]
-    monkeypatch.setattr(decode_module, "chunk_pairs_limit", lambda dtype, isa: None)
+    monkeypatch.setattr(decode_module, "chunk_pairs_limit", lambda isa: None)
     long_rows.clear()
     h.step([(seqs[0], 1), (seqs[3], MAX_QUERY_LEN + 2), (seqs[5], 2 * MAX_QUERY_LEN + 5)], pad_tokens=1, op=CPU_OP)
     assert long_rows == []

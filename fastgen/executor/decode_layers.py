@@ -51,7 +51,7 @@ def step_of(attn_metadata: AttentionMetadata, hidden: torch.Tensor) -> DecodeLay
         if attn_metadata.backend == "cpu" and hidden.device.type == "cpu":
             if "kernel" not in plans:
                 plans["kernel"] = plan_kernel_step(attn_metadata.block_tables, attn_metadata.seq_lens,
-                                                   attn_metadata.query_start_loc, hidden.dtype)
+                                                   attn_metadata.query_start_loc)
             step = plan_decode_layer_step(hidden.shape[0], plans["kernel"])
         plans[_STEP_KEY] = step
     return plans[_STEP_KEY]

@@ -69,7 +69,10 @@ inline int64_t pair_slot(int64_t d) {
 template <typename T, typename P>
 inline void score_lanes(const P& p, const T* k, int64_t n, const LaneScratch& sc, LaneScratch& buf, vf* s) {
   const int64_t D = p.head_dim;
-  for (int t = 0; t < kTile; ++t) s[t] = vzero();
+  // Accumulated in a local array and copied out at the end: accumulating into `s` itself made GCC store every
+  // accumulator back to the stack after each FMA.
+  vf acc[kTile];
+  for (int t = 0; t < kTile; ++t) acc[t] = vzero();
   int64_t ks;
 #if defined(__AVX512BF16__)
   if constexpr (kPairs<T>) {
@@ -81,10 +84,10 @@ inline void score_lanes(const P& p, const T* k, int64_t n, const LaneScratch& sc
       const uint32_t* ku = keys + u;
 #pragma GCC unroll 16
       for (int t = 0; t < kTile; ++t) {
-        s[t] = _mm512_dpbf16_ps(s[t], qu, (__m512bh)_mm512_set1_epi32(static_cast<int>(ku[t * ks])));
+        acc[t] = _mm512_dpbf16_ps(acc[t], qu, (__m512bh)_mm512_set1_epi32(static_cast<int>(ku[t * ks])));
       }
     }
-    for (int t = 0; t < kTile; ++t) s[t] = vmul(s[t], vset(p.scale));
+    for (int t = 0; t < kTile; ++t) s[t] = vmul(acc[t], vset(p.scale));
     return;
   }
 #endif
@@ -93,8 +96,9 @@ inline void score_lanes(const P& p, const T* k, int64_t n, const LaneScratch& sc
     const vf qd = vload(sc.qt.data() + d * kLanes);
     const float* kd = keys + d;
 #pragma GCC unroll 16
-    for (int t = 0; t < kTile; ++t) s[t] = vfma(qd, vset(kd[t * ks]), s[t]);
+    for (int t = 0; t < kTile; ++t) acc[t] = vfma(qd, vset(kd[t * ks]), acc[t]);
   }
+  for (int t = 0; t < kTile; ++t) s[t] = acc[t];
 }
 
 // ot = alpha * ot + sum over the tile's n tokens of weights[t] x value t, 16 accumulator rows at a time in

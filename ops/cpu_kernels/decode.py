@@ -23,28 +23,25 @@ blocks gathered for it."""
 MAX_CHUNK_PAIRS = 1 << 18
 """Where the kernel attends one row at a time (AVX2), longer chunks take it while their query tokens x the
 sequence's length stay within this. There the kernel, reading a sequence's keys once per query token from
-cache, beats gathering the blocks for torch's flash kernel; deeper or longer chunks it does not (2-core EPYC,
-SmolLM2-135M bf16, prefill tok/s kernel against torch: a 512-token first chunk 1035 / 907, chunks of 300 + 212
+cache, beats gathering the blocks for torch's flash kernel; deeper or longer chunks it does not (2-core EPYC, the
+AVX512-BF16 variant's row path before it had lanes, SmolLM2-135M bf16, prefill tok/s kernel against torch: a 512-token first chunk 1035 / 907, chunks of 300 + 212
 tokens 1310 / 1045, four of 128 1383 / 1117; a 1024-token first chunk 916 / 909; a 2048-token one 648 / 740; a
 3000-token prompt in 512-token chunks 414 / 516)."""
 
-MAX_LANE_CHUNK_PAIRS = 1 << 21
-"""The same bound where the kernel attends chunks 16 rows to a vector in fp32 (AVX512; fp32 caches, and
-fp16 or bf16 ones widened to fp32 without AVX512-BF16). One layer of SmolLM2-135M's shape, kernel against
-torch (`scripts/bench_cpu_attention.py`, 2-core EPYC, fp32): 1.30-1.45x up to 512 x 1024 pairs, 1.10-1.29x at
-128 x 1664 and 128 x 3712, 0.95-0.99x at 512 x 4096 and 512 x 8192, 0.74x at 2048 x 9728."""
+MAX_LANE_CHUNK_PAIRS = 1 << 23
+"""The same bound where the kernel attends chunks 16 rows to a vector without bf16 dot products (the AVX512
+variant: fp32, and bf16 or fp16 widened to fp32). One layer of SmolLM2-135M's shape, kernel against torch
+(`scripts/bench_cpu_attention.py`, 2-core EPYC, `FASTGEN_CPU_KERNELS=avx512`): 1.24-2.5x up to 2048 x 2048
+and 512 x 8192 pairs, 0.77-1.01x at 2048 x 9728."""
 
 
-def chunk_pairs_limit(dtype: torch.dtype, isa: str) -> int | None:
-    """The most query tokens x sequence length a longer chunk may have to take kernel variant `isa` in
-    `dtype`; None: no bound. bf16 with AVX512-BF16 has none: every chunk measured ran faster on the kernel,
-    scoring 16 rows a vector with bf16 pairs (1.6-2.7x torch's flash kernel, first chunks of 128-2048 tokens
-    and chunks of 128-2048 over up to 7680 cached tokens, one layer of SmolLM2-135M's shape, 2-core EPYC)."""
-    if isa == "avx2":
-        return MAX_CHUNK_PAIRS
-    if dtype == torch.bfloat16 and isa == "avx512_bf16":
-        return None
-    return MAX_LANE_CHUNK_PAIRS
+def chunk_pairs_limit(isa: str) -> int | None:
+    """The most query tokens x sequence length a chunk longer than `MAX_QUERY_LEN` may have to take kernel
+    variant `isa`; None: no bound. The AVX512-BF16 variant has none: every chunk measured ran faster on the
+    kernel, in every dtype (one layer of SmolLM2-135M's shape, 2-core EPYC, first chunks of 128-2048 tokens
+    and chunks of 128-2048 over up to 7680 cached: bf16 2.1-3.2x torch's flash kernel, fp16 2.0-3.4x, fp32
+    1.32-2.4x)."""
+    return {"avx2": MAX_CHUNK_PAIRS, "avx512": MAX_LANE_CHUNK_PAIRS}.get(isa)
 
 
 def kernel_query_len(chunks: list[tuple[int, int]], max_pairs: int | None) -> int:
@@ -79,17 +76,17 @@ class KernelStep:
     """No sequence has a longer query: the op's output is the layer's whole answer."""
 
 
-def plan_kernel_step(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                     dtype: torch.dtype) -> KernelStep | None:
-    """The kernel's part of a step whose attention runs in `dtype`, the same for each layer; None where the
-    kernel is off (`FASTGEN_CPU_KERNELS`), could not be built, or attends none of the step's sequences."""
+def plan_kernel_step(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+                     ) -> KernelStep | None:
+    """The kernel's part of a step, the same for each layer; None where the kernel is off
+    (`FASTGEN_CPU_KERNELS`), could not be built, or attends none of the step's sequences."""
     isa = cpu_kernel_isa() if seq_lens.device.type == "cpu" else None
     op = kernel_op("paged_decode", isa) if isa is not None else None
     if op is None:
         return None
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     queries = [(starts[s + 1] - starts[s], n) for s, n in enumerate(lens) if n > 0 and starts[s + 1] > starts[s]]
-    max_query_len = kernel_query_len(queries, chunk_pairs_limit(dtype, isa))
+    max_query_len = kernel_query_len(queries, chunk_pairs_limit(isa))
     if not any(q <= max_query_len for q, _ in queries):
         return None
     metadata = tuple(t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
