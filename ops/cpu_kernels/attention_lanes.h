@@ -67,7 +67,7 @@ inline int64_t pair_slot(int64_t d) {
 // s[t] = the lanes' scores against key t of the tile (queries scaled): each key element (fp32) or pair of
 // elements (bf16) broadcast into one FMA over the 16 lanes.
 template <typename T, typename P>
-inline void score_lanes(const P& p, const T* k, int64_t n, const LaneScratch& sc, LaneScratch& buf, vf* s) {
+inline void score_lanes(const P& p, const T* k, int64_t n, LaneScratch& sc, vf* s) {
   const int64_t D = p.head_dim;
   // Accumulated in a local array and copied out at the end: accumulating into `s` itself made GCC store every
   // accumulator back to the stack after each FMA.
@@ -77,7 +77,7 @@ inline void score_lanes(const P& p, const T* k, int64_t n, const LaneScratch& sc
 #if defined(__AVX512BF16__)
   if constexpr (kPairs<T>) {
     const uint32_t* keys =
-        reinterpret_cast<const uint32_t*>(tile_rows<false>(k, p.k_token, n, D, buf.key_rows.data(), ks));
+        reinterpret_cast<const uint32_t*>(tile_rows<false>(k, p.k_token, n, D, sc.key_rows.data(), ks));
     ks /= 2;
     for (int64_t u = 0; u < D / 2; ++u) {
       const __m512bh qu = (__m512bh)_mm512_loadu_si512(sc.query_pairs.data() + u * kLanes);
@@ -91,7 +91,7 @@ inline void score_lanes(const P& p, const T* k, int64_t n, const LaneScratch& sc
     return;
   }
 #endif
-  const float* keys = tile_rows<!std::is_same_v<T, float>>(k, p.k_token, n, D, buf.keys.data(), ks);
+  const float* keys = tile_rows<!std::is_same_v<T, float>>(k, p.k_token, n, D, sc.keys.data(), ks);
   for (int64_t d = 0; d < D; ++d) {
     const vf qd = vload(sc.qt.data() + d * kLanes);
     const float* kd = keys + d;
@@ -203,7 +203,7 @@ void attend_lanes(const P& p, int64_t seq, int64_t head, int64_t item_lo, int64_
     const int64_t block = table[pos / p.block_size], offset = pos % p.block_size;
     const int64_t n = std::min({block_hi - pos, p.block_size - offset, static_cast<int64_t>(kTile)});
     vf s[kTile];
-    score_lanes(p, kc + block * p.k_block + offset * p.k_token + head * p.k_head, n, sc, sc, s);
+    score_lanes(p, kc + block * p.k_block + offset * p.k_token + head * p.k_head, n, sc, s);
     if (p.softcap > 0) {
       alignas(64) float raw[kLanes];
       for (int t = 0; t < n; ++t) {
