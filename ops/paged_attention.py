@@ -220,8 +220,8 @@ def _tensor_step_plans(slot_mapping: torch.Tensor, block_tables: torch.Tensor, q
 def cpu_paged_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
     """`torch_paged_attention` with `kernels=True` (the backend "cpu"): the rows of every sequence with at
     most `MAX_QUERY_LEN` query tokens (decode rows, speculative verification rows, short prompt chunks), and
-    of longer chunks within the kernel's bound (`chunk_pairs_limit`), attended by fastgen's C++ CPU kernel in one
-    call (`fastgen.ops.cpu_kernels`); the other chunks, and every row where the kernel is off, unbuilt or
+    of longer chunks within the kernel's bound (`chunk_pairs_limit`), attended by fastgen's C++ CPU kernel in
+    one call (`fastgen.ops.cpu_kernels`); the other chunks, and every row where the kernel is off, unbuilt or
     does not take the call's shapes, stay on the torch path."""
     return torch_paged_attention(*args, **kwargs, kernels=True)
 

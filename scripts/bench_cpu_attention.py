@@ -12,8 +12,9 @@ best and median of `--repeats` after warm-up:
 - torch: `fastgen::paged_attention_torch` (KV write + the block-by-block flash-kernel decode path, or the
   flash kernel over gathered blocks for chunks);
 - cpu: `fastgen::paged_attention_cpu` (what the engine runs: the C++ kernel for every row it takes, chunks
-  beyond `MAX_CHUNK_PAIRS` on the torch path);
-- kernel: the C++ kernel's op alone, taking every row whatever its length (what `MAX_CHUNK_PAIRS` is tuned by).
+  beyond the variant's `chunk_pairs_limit` on the torch path);
+- kernel: the C++ kernel's op alone, taking every row whatever its length (what `chunk_pairs_limit` is tuned
+  by).
 Both ops get the step's plans computed once beforehand, as the engine's first layer computes them for the
 rest. The two outputs are compared before timing. A measurement, not a test: the machine's other load shows.
 """
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if isa is None or kernel_op("paged_decode", isa) is None:
         print("the C++ CPU kernel is off or could not be built here; nothing to compare", file=sys.stderr)
         return 1
+    op = kernel_op("paged_decode", isa)
     print(f"kernel {isa}: ready in {time.perf_counter() - start:.2f} s; {torch.get_num_threads()} threads")
     rows = []
     print(f"{'':>25} | {'best ms (median ms)':^44} | speed-up (best)")
@@ -108,7 +110,6 @@ def main(argv: list[str] | None = None) -> int:
                 got = cpu_paged_attention(*step, step_plans=cpu_plans)
                 tol = 2e-2 if dtype != torch.float32 else 1e-4
                 torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
-                op = kernel_op("paged_decode", isa)
                 torch.testing.assert_close(op(*step, 0, 0.0, None, 0, query_len).float(), expected.float(), rtol=tol,
                                            atol=tol)
                 timed = {

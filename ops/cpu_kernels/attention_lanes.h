@@ -37,7 +37,9 @@ inline const B* tile_rows(const T* src, int64_t token_stride, int64_t n, int64_t
   }
   for (int64_t t = 0; t < kTile; ++t) {
     if constexpr (widen) {
-      for (int64_t d = 0; d < dim; d += W) vstore(buf + t * dim + d, t < n ? vload(src + t * token_stride + d) : vzero());
+      for (int64_t d = 0; d < dim; d += W) {
+        vstore(buf + t * dim + d, t < n ? vload(src + t * token_stride + d) : vzero());
+      }
     } else if (t < n) {
       std::memcpy(buf + t * dim, src + t * token_stride, dim * sizeof(T));
     } else {

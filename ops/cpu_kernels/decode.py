@@ -23,10 +23,11 @@ blocks gathered for it."""
 MAX_CHUNK_PAIRS = 1 << 18
 """Where the kernel attends one row at a time (AVX2), longer chunks take it while their query tokens x the
 sequence's length stay within this. There the kernel, reading a sequence's keys once per query token from
-cache, beats gathering the blocks for torch's flash kernel; deeper or longer chunks it does not (2-core EPYC, the
-AVX512-BF16 variant's row path before it had lanes, SmolLM2-135M bf16, prefill tok/s kernel against torch: a 512-token first chunk 1035 / 907, chunks of 300 + 212
-tokens 1310 / 1045, four of 128 1383 / 1117; a 1024-token first chunk 916 / 909; a 2048-token one 648 / 740; a
-3000-token prompt in 512-token chunks 414 / 516)."""
+cache, beats gathering the blocks for torch's flash kernel; deeper or longer chunks it does not (2-core EPYC,
+the AVX512-BF16 variant's row path before it had lanes, SmolLM2-135M bf16, prefill tok/s kernel against
+torch: a 512-token first chunk 1035 / 907, chunks of 300 + 212 tokens 1310 / 1045, four of 128 1383 / 1117;
+a 1024-token first chunk 916 / 909; a 2048-token one 648 / 740; a 3000-token prompt in 512-token chunks 414 /
+516)."""
 
 MAX_LANE_CHUNK_PAIRS = 1 << 23
 """The same bound where the kernel attends chunks 16 rows to a vector without bf16 dot products (the AVX512
