@@ -18,7 +18,7 @@ constexpr int64_t kLanes = 16;
 
 // One worker's buffers for `attend_lanes`, sized by the head dim.
 struct LaneScratch {
-  int64_t slots;  // accumulator rows: the head dim, or whole 32-element chunks of it for bf16 pairs
+  int64_t slots;  // accumulator rows: the head dim rounded up to whole 32-element chunks (bf16 pairs fill them)
   std::vector<float> qt, ot, keys, values;
   std::vector<uint32_t> query_pairs;
   std::vector<c10::BFloat16> key_rows;
@@ -58,13 +58,6 @@ constexpr bool kPairs =
 #else
     false;
 #endif
-
-// Accumulator slot of element d of a head under bf16 pairs: `pair_values`' order (within each 32-element
-// chunk, element 8L + k sits in lane 4L + k of the low vector, 8L + 4 + k in that of the high one).
-inline int64_t pair_slot(int64_t d) {
-  const int64_t e = d % 32, within = e % 8;
-  return d - e + (within >= 4 ? 16 : 0) + 4 * (e / 8) + within % 4;
-}
 
 // s[t] = the lanes' scores against key t of the tile (queries scaled): each key element (fp32) or pair of
 // elements (bf16) broadcast into one FMA over the 16 lanes.
@@ -245,7 +238,10 @@ void attend_lanes(const P& p, int64_t seq, int64_t head, int64_t item_lo, int64_
   for (int64_t j = 0; j < count; ++j) {
     const int64_t v = v0 + j, r = v / G, g = v % G;
     float row[kMaxHeadDim];
-    for (int64_t d = 0; d < D; ++d) row[d] = ot[(kPairs<T> ? pair_slot(d) : d) * kLanes + j];
+    for (int64_t slot = 0; slot < sc.slots; ++slot) row[slot] = ot[slot * kLanes + j];
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs<T>) unpermute(row, D);  // bf16 pairs accumulate in `pair_values`' order
+#endif
     if (partial == nullptr) {
       float total = lane_l[j];
       if (p.sinks) total += std::exp(p.sinks[head * G + g] - lane_m[j]);
