@@ -5,32 +5,33 @@ quotes the figure it rests on, and every choice can be overridden by the engine 
 same name. The figures are FastGen's published defaults, rates measured on the CPU and GPU
 machines fastgen is developed on (quoted beside each constant), and measurements quoted where they
 are used. What sizes a step (token budget, attention charge, buckets, block size) is chosen in
-`fastgen.planning.step_shape`.
+`fastgen.planning.step_shape`; the choices of one concern each (CPU kernels, linears and compile, KV cache,
+LM head, LoRA, offload, parallelism) in `fastgen.planning.choices`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-
 import os
 from typing import Any, Callable
 
 import torch
 
 from fastgen.models.quant import DEFAULT_GROUP_SIZE
-from fastgen.ops.packed_linear import PREPACK_DTYPES, prepack_available
-from fastgen.ops.prefault import prefault_supported
-from fastgen.planning.cpu_kernels_plan import (adaptive_threads_blocker, choose_adaptive_threads, choose_cpu_attention,
-                                               choose_decode_layer_kernel, decode_layer_blocker, int4_kernel_reason,
-                                               quantized_kernel_blocker)
-from fastgen.planning.hardware import Hardware, cpu_kernel_blocker, detect_hardware
-from fastgen.planning.head_plan import choose_lm_head_quantization, q8_head_bytes
-from fastgen.planning.lora_plan import choose_lora
-from fastgen.planning.memory import (CPU_KV_RAM_FRACTION, GPU_MEMORY_FRACTION, activation_reserve,
-                                     check_fits, choose_group_size, choose_quantization, divides_heads, gpu_need,
-                                     kv_room, tp_candidates, usable_gpu_bytes, weights_label)
+from fastgen.planning.choices.cpu_kernels import (adaptive_threads_blocker, choose_adaptive_threads,
+                                                  choose_cpu_attention, choose_decode_layer_kernel,
+                                                  decode_layer_blocker, int4_kernel_reason, quantized_kernel_blocker)
+from fastgen.planning.choices.kv_cache import choose_kv_memory, choose_kv_prefault
+from fastgen.planning.choices.linears import (bf16_tiles, choose_compile, choose_gemv_weights, choose_weight_prepack,
+                                              gemv_copy_bytes, prepack_blocker)
+from fastgen.planning.choices.lm_head import choose_lm_head_quantization, q8_head_bytes
+from fastgen.planning.choices.lora import choose_lora
+from fastgen.planning.choices.offload import OFFLOAD_MAX_TOKEN_BUDGET, OffloadChoice, choose_offload
+from fastgen.planning.choices.parallel import choose_replicas, choose_tensor_parallel_or_stream
+from fastgen.planning.hardware import Hardware, detect_hardware
+from fastgen.planning.memory import (activation_reserve, check_fits, choose_group_size, choose_quantization,
+                                     divides_heads, kv_room, tp_candidates, weights_label)
 from fastgen.planning.model_facts import ModelFacts, model_facts
-from fastgen.planning.offload_plan import OFFLOAD_MAX_TOKEN_BUDGET, OffloadChoice, choose_offload
 from fastgen.planning.plan import PLAN_FIELDS, Plan, dtype_name, format_bytes, format_count, normalise_overrides
 from fastgen.planning.speculative import (DEFAULT_GPU_HBM_GBPS, GPU_HBM_GBPS, SpeculativeConfig,
                                           choose_disable_by_batch_size, step_time_model)
@@ -92,7 +93,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     quant = pick("quantization", lambda: _quantize_or_stream(model, hardware, dtype, group, tps, reserve, block_size,
                                                              user))
     weights, label = model.weight_bytes(dtype, quant, group), weights_label(dtype, quant)
-    tp = pick("tensor_parallel", lambda: _choose_tensor_parallel_or_stream(model, hardware, weights, label, reserve,
+    tp = pick("tensor_parallel", lambda: choose_tensor_parallel_or_stream(model, hardware, weights, label, reserve,
                                                                            user))
     if "tensor_parallel" in user and user.get("offload") == "none":
         check_fits(hardware, weights, label, tp, reserve(tp))
@@ -102,7 +103,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     if quant == "int4" and cpu:
         reasons["quantization"] += f"; {int4_kernel_reason(hardware, group)}"
     weights = model.weight_bytes(dtype, quant, group)
-    replicas = pick("replica_num", lambda: _choose_replicas(hardware, tp))
+    replicas = pick("replica_num", lambda: choose_replicas(hardware, tp))
     if not cpu and tp * replicas > hardware.gpu_count * hardware.nodes:
         raise ValueError(f"tensor_parallel {tp} x replica_num {replicas} needs {tp * replicas} GPUs; "
                          f"this machine has {hardware.gpu_count}")
@@ -120,8 +121,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
                 buckets, reasons["buckets"] = choose_buckets(hardware, budget)
             stream = _choose_offload(model, hardware, dtype, quant, group, tp, reserve(tp), block_size, user)
     reasons["offload"] = "set by the user" if "offload" in user else stream.offload_reason
-    blocker = _prepack_blocker(hardware, dtype, quant, stream.offload)
-    prepack = pick("weight_prepack", lambda: _choose_weight_prepack(blocker))
+    blocker = prepack_blocker(hardware, dtype, quant, stream.offload)
+    prepack = pick("weight_prepack", lambda: choose_weight_prepack(blocker))
     head_quant, reasons["lm_head_quantization"] = choose_lm_head_quantization(model, hardware, user, dtype, quant)
     if head_quant == "q8_0":  # beside the plain weight, which calls of many rows multiply
         weights += q8_head_bytes(model)
@@ -133,18 +134,18 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
             copy = model.head_weight_bytes(dtype)
             weights += copy
             reasons["weight_prepack"] += f"; the tied LM head's packed copy takes {format_bytes(copy)} more"
-    gemv = pick("gemv_weights", lambda: _choose_gemv_weights(model, hardware, dtype, prepack))
+    gemv = pick("gemv_weights", lambda: choose_gemv_weights(model, hardware, dtype, prepack))
     if gemv:
         if not prepack:
             raise ValueError("gemv_weights=True needs weight_prepack: without it every linear already keeps its "
                              "plain weight")
-        copy = _gemv_copy_bytes(model, dtype, _bf16_tiles(hardware, dtype))
+        copy = gemv_copy_bytes(model, dtype, bf16_tiles(hardware, dtype))
         weights += copy
         if "gemv_weights" in user:
             reasons["gemv_weights"] += f"; the copies take {format_bytes(copy)} more"
     reasons["weight_memory"] = stream.weight_memory_reason
     kernel_linears = cpu and quantized_kernel_blocker(hardware, quant, group) is None
-    compile_mode = pick("compile", lambda: _choose_compile(model, hardware, prepack, kernel_linears))
+    compile_mode = pick("compile", lambda: choose_compile(model, hardware, prepack, kernel_linears))
     if stream.offload != "none" and graphs:
         graphs = _without_graphs_for_offload(user, stream.offload, reasons)
     lora = choose_lora(model, user, dtype, tp, stream.offload)
@@ -158,14 +159,14 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
     resident = weights if stream.offload == "none" else stream.weight_memory * tp
     room = kv_room(hardware, resident + (stream.host_bytes if cpu else 0), tp, reserve(tp))
     room -= state_slots * model.config.state_bytes_per_seq(dtype, tp) + lora.stack_bytes
-    kv = _choose_kv_memory(model, hardware, dtype, tp, room, max_seqs, block_size, user.get("kv_cache_memory"))
+    kv = choose_kv_memory(model, hardware, dtype, tp, room, max_seqs, block_size, user.get("kv_cache_memory"))
     reasons["kv_cache_memory"] = kv[1]
     spec = pick("speculative_config", lambda: (None, "off: no speculative_config given"))
     if spec is not None:
         spec, reasons["speculative_config"] = _choose_speculation(spec, model, hardware, dtype, quant, group, tp,
                                                                   max_seqs)
     grammar = pick("structured_outputs_backend", _choose_structured_outputs_backend)
-    prefault = pick("kv_prefault", lambda: _choose_kv_prefault(hardware))
+    prefault = pick("kv_prefault", lambda: choose_kv_prefault(hardware))
     layer_blocker = decode_layer_blocker(attention, quant, gemv and dtype == torch.bfloat16, tp, stream.offload,
                                          lora.enable_lora)
     decode_layer = pick("decode_layer_kernel", lambda: choose_decode_layer_kernel(layer_blocker))
@@ -212,22 +213,6 @@ def _quantize_or_stream(model: ModelFacts, hw: Hardware, dtype: torch.dtype, gro
             raise
         int4 = format_bytes(model.weight_bytes(dtype, "int4", group))
         return "none", f"not even int4 weights ({int4}) fit with the minimum KV cache: offload streams them; {why}"
-
-
-def _choose_tensor_parallel_or_stream(model: ModelFacts, hw: Hardware, weights: int, label: str,
-                                      reserve: Callable[[int], int], user: dict[str, Any]) -> tuple[int, str]:
-    """The smallest TP that fits; when none does and offload may stream, every GPU that splits the heads
-    (each rank streams its 1/TP shard)."""
-    try:
-        return _choose_tensor_parallel(model, hw, weights, label, reserve)
-    except ValueError:
-        if user.get("offload") == "none":
-            raise
-    tp = tp_candidates(model, hw)[-1]
-    if hw.device_type == "cpu":
-        return tp, f"one process already spreads each matmul over all {hw.cpu_cores} cores; the weights stream (offload)"
-    return tp, (f"{format_bytes(weights)} of {label} weights fit no tensor-parallel size: TP={tp} (the most GPUs that "
-                f"split {model.num_heads} heads) and each rank streams its shard (offload)")
 
 
 def _choose_offload(model: ModelFacts, hw: Hardware, dtype: torch.dtype, quant: str, group: int, tp: int,
@@ -363,131 +348,6 @@ def _choose_attention(hw: Hardware) -> tuple[str, str]:
     return "triton", "one Triton launch serves mixed prefill+decode steps over the block tables"
 
 
-CPU_COMPILE_MIN_PARAMS = 50_000_000
-"""Below this size a CPU step takes milliseconds and is mostly Python and attention bookkeeping
-that Inductor cannot fuse away. scripts/bench_graphs.py on a 5M-parameter Llama (the demo model's
-shape, 2 cores, buckets 1..256) measured compiled/eager step-time ratios of 1.09-1.31x and decode
-tokens/s 1.16-1.53x higher, for 6-10 s of cold compile per bucket (about 1 s with Inductor's warm
-cache): a cold start of a minute or more to save a few milliseconds per step."""
-
-
-PREPACKED_COMPILE_EVIDENCE = (
-    "the linears run oneDNN-packed (weight_prepack), so Inductor would only fuse the elementwise glue between them: "
-    "measured at most 5% more tok/s for 2-2.5x the start-up (scripts/bench_peer.py, 2-core EPYC, fp32, 128 requests: "
-    "SmolLM2-135M 240 vs 228 tok/s at 512-token steps and 249 vs 249 at 768, ready in 21.7 s vs 8.5 s; a 0.5B Llama "
-    "78 vs 82 tok/s, 25.1 s vs 11.7 s); compile='default' to opt in")
-"""Why a CPU plan with prepacked linears does not compile."""
-
-KERNEL_LINEARS_COMPILE_EVIDENCE = (
-    "the int4/int8 linears run on fastgen's C++ kernels (and a step of few rows runs each layer as one C++ call), so "
-    "Inductor would only fuse the elementwise glue between them: measured 0.94-0.99x the compiled plan's tok/s for "
-    "half the start-up (scripts/bench_peer.py, 2-core EPYC, SmolLM2-135M bf16, 128 requests: int4 1403-1500 vs "
-    "1499-1545 tok/s, int8 1382 vs 1352; ready in 4.2-5.7 s vs 9.2-14.5 s warm, 26.8 s vs 43.4 s with every cache "
-    "empty; batch-1 decode runs the C++ layer op either way); compile='default' to opt in")
-"""Why a CPU plan whose quantized linears run on fastgen's kernels does not compile."""
-
-
-def _choose_compile(model: ModelFacts, hw: Hardware, prepack: bool, kernel_linears: bool) -> tuple[str, str]:
-    """Inductor's default mode; max-autotune only on request (its GEMM search costs minutes per bucket).
-    Off on the CPU for small models, where start-up would dwarf the gain, and where the linears run
-    prepacked or (`kernel_linears`) quantized on fastgen's kernels, which leaves Inductor only elementwise glue
-    to fuse (all measured, see above)."""
-    if hw.device_type == "cpu":
-        if model.num_params < CPU_COMPILE_MIN_PARAMS:
-            return "off", (f"{format_count(model.num_params)} params on a CPU: steps take milliseconds; compiling "
-                           "measured 1.1-1.3x faster steps (5M-param Llama, bench_graphs.py) for 6-10 s of cold "
-                           "compile per bucket, so not worth the start-up (compile='default' to opt in)")
-        if prepack:
-            return "off", PREPACKED_COMPILE_EVIDENCE
-        if kernel_linears:
-            return "off", KERNEL_LINEARS_COMPILE_EVIDENCE
-        return "default", ("Inductor C++ fuses norms, rotary, residual adds and the MLP; each bucket compiles once "
-                           "(seconds each, cached on disk by Inductor for the next start)")
-    return "default", ("Inductor fuses norms, rotary, residual adds and the MLP; max-autotune benchmarks GEMM "
-                       "configs per bucket (minutes of start-up), so only when asked")
-
-
-def _prepack_blocker(hw: Hardware, dtype: torch.dtype, quant: str, offload: str) -> str | None:
-    """Why weight prepacking cannot apply here (None: it can)."""
-    if hw.device_type != "cpu":
-        return "oneDNN's packed linear is a CPU kernel"
-    if not prepack_available():
-        return "this torch build has no oneDNN"
-    if dtype not in PREPACK_DTYPES:
-        return (f"oneDNN's packed linear takes {' or '.join(map(dtype_name, PREPACK_DTYPES))} weights, "
-                f"not {dtype_name(dtype)}")
-    if dtype == torch.bfloat16 and not {"avx512_bf16", "amx_bf16"} & hw.cpu_flags:
-        return "oneDNN packs bf16 weights only on CPUs with AVX512-BF16 or AMX (this one emulates bf16 matmuls)"
-    if quant != "none":
-        return f"the {quant} linears run their own packed kernels"
-    if offload != "none":
-        return "offload streams the layers' plain weights"
-    return None
-
-
-def _choose_weight_prepack(blocker: str | None) -> tuple[bool, str]:
-    """On wherever nothing blocks it (`_prepack_blocker`): CPU fp32, and bf16 on CPUs with bf16 instructions."""
-    if blocker is not None:
-        return False, blocker
-    return True, ("oneDNN multiplies a weight reordered once at load instead of re-blocking it every call: 1.2-1.9x "
-                  "MKL's F.linear at 8-512 rows (2-core EPYC, fp32)")
-
-
-GEMV_COPY_SHARE = 0.1
-"""The plain weights are kept beside the packed ones by default while they take at most this share of the
-available RAM."""
-
-
-def _bf16_tiles(hw: Hardware, dtype: torch.dtype) -> bool:
-    """Whether `gemv_weights` keeps bf16 tiles for fastgen's C++ kernel (where it builds) rather than plain weights."""
-    return dtype == torch.bfloat16 and cpu_kernel_blocker(hw) is None
-
-
-def _gemv_copy_bytes(model: ModelFacts, dtype: torch.dtype, tiles: bool = False) -> int:
-    """Bytes `gemv_weights` keeps besides the packed weights: the decoder layers' plain weights (or, `tiles`, their
-    copies in fastgen's bf16 kernel layout), and the LM head's (a tied head's plain weight is the embedding's,
-    kept anyway; its tiles are a copy)."""
-    head = 0 if model.config.tie_word_embeddings and not tiles else model.head_weight_bytes(dtype)
-    return model.layer_weight_bytes(dtype) + head
-
-
-def _choose_kv_prefault(hw: Hardware) -> tuple[bool, str]:
-    """Off by default: measured to gain nothing where a run touches a small share of the cache."""
-    if hw.device_type != "cpu":
-        return False, "device memory is mapped when it is allocated: no page faults in the steps"
-    if not prefault_supported():
-        return False, "this OS does not take madvise(MADV_POPULATE_WRITE) (Linux 5.14+): pages fault at first write"
-    return False, ("off: a step faults only on the pages it writes first, ~50 ms over a 128-request run's 84 MB of "
-                   "KV, while mapping the whole cache at start-up competes with the first steps (2-core EPYC, "
-                   "SmolLM2 bf16, 1 GiB cache: 864 tok/s without, 844 with); kv_prefault=True for caches a "
-                   "long-context workload fills")
-
-
-def _choose_gemv_weights(model: ModelFacts, hw: Hardware, dtype: torch.dtype, prepack: bool) -> tuple[bool, str]:
-    """On with prepacking while the copies take at most `GEMV_COPY_SHARE` of the available RAM: bf16 weights in
-    fastgen's C++ kernel layout where it runs, else the plain weights, except for bf16 weights on a CPU with bf16
-    dot products (AVX512-BF16, AMX) and no C++ kernel, which oneDNN's packed kernel uses."""
-    if not prepack:
-        return False, "weight_prepack is off: every linear multiplies its plain weight"
-    tiles = _bf16_tiles(hw, dtype)
-    native = sorted(hw.cpu_flags & {"avx512_bf16", "amx_bf16"})
-    if dtype == torch.bfloat16 and native and not tiles:
-        return False, (f"bf16 weights on a CPU with {' and '.join(native)}: oneDNN's packed kernel multiplies them "
-                       "with bf16 dot products at 1.5-3x the GB/s of the plain-weight GEMV path at 1-8 rows "
-                       "(2-core EPYC with avx512_bf16, SmolLM2-135M's shapes: batch-1 decode 41 -> 25 ms a step)")
-    copy = _gemv_copy_bytes(model, dtype, tiles)
-    if copy > GEMV_COPY_SHARE * hw.ram_available:
-        return False, (f"the copies would take {format_bytes(copy)}, over {GEMV_COPY_SHARE:.0%} of the "
-                       f"{format_bytes(hw.ram_available)} of RAM available (gemv_weights=True to keep them anyway)")
-    if tiles:
-        return True, (f"steps of at most 4 rows multiply over copies of the bf16 weights in fastgen's C++ kernel "
-                      f"layout ({format_bytes(copy)} more; 16 output columns interleaved, pair dots in lanes): "
-                      "~31 GB/s read against oneDNN's ~18 and ATen's mv ~10 (2-core EPYC, SmolLM2-135M's shapes)")
-    return True, (f"steps of at most 4 rows multiply over the plain weights ({format_bytes(copy)} more) with their "
-                  "output rows split over the cores: 1.4-2x oneDNN's packed kernel, which runs them on one core "
-                  "(2-core EPYC, fp32)")
-
-
 _NO_GRAPHS_FOR_STATE = ("its linear-attention layers split each step's rows by their sizes on the host (decode "
                         "rows batched, prompt chunks scanned one by one), which a captured graph cannot replay")
 
@@ -500,84 +360,6 @@ def _choose_cuda_graphs(model: ModelFacts, hw: Hardware) -> tuple[bool, str]:
         return False, f"off for {model.model_type}: {_NO_GRAPHS_FOR_STATE}"
     return True, ("a small decode step is kernel-launch-bound (hundreds of launches per step); replaying one "
                   "captured graph per bucket removes that cost")
-
-
-def _choose_tensor_parallel(model: ModelFacts, hw: Hardware, weights: int, label: str,
-                            reserve: Callable[[int], int]) -> tuple[int, str]:
-    """1 if the weights (+20% KV room) fit one device, else the smallest power of two that fits."""
-    if hw.device_type == "cpu":
-        check_fits(hw, weights, label, 1, reserve(1))
-        return 1, (f"one process already spreads each matmul over all {hw.cpu_cores} cores; "
-                   f"{format_bytes(weights)} of weights fit the {format_bytes(hw.ram_available)} of RAM available")
-    usable = usable_gpu_bytes(hw)
-
-    def need(tp: int) -> float:
-        return gpu_need(weights, tp, reserve(tp))
-
-    if need(1) <= usable:
-        return 1, f"{format_bytes(weights)} of weights (+20% KV room) fit one GPU ({format_bytes(usable)} usable)"
-    candidates = tp_candidates(model, hw)[1:]
-    for tp in candidates:
-        if need(tp) <= usable:
-            return tp, (f"{format_bytes(weights)} of weights (+20% KV room) need {format_bytes(need(tp // 2))} "
-                        f"per GPU at TP={tp // 2}, more than the {format_bytes(usable)} usable; TP={tp} needs "
-                        f"{format_bytes(need(tp))} and divides {model.num_heads} heads / {model.num_kv_heads} KV heads")
-    largest = candidates[-1] if candidates else 1
-    raise ValueError(
-        f"model too large: {format_bytes(weights)} of {label} weights (+20% KV room) need "
-        f"{format_bytes(need(largest))} per GPU even at TP={largest}, and each of the {hw.gpu_count} GPU(s) has "
-        f"{format_bytes(usable)} usable"
-        + ("" if candidates or hw.gpu_count == 1 else f" (no power-of-two TP divides {model.num_heads} heads)"))
-
-
-def _choose_replicas(hw: Hardware, tp: int) -> tuple[int, str]:
-    """Every GPU busy: as many replicas of `tp` GPUs as the machine holds (a small model on many GPUs
-    scales by replicas, which need no communication, rather than by more ranks)."""
-    if hw.device_type == "cpu":
-        return 1, f"one replica already uses all {hw.cpu_cores} cores"
-    fit = max(1, hw.gpu_count // tp)
-    if fit == 1:
-        return 1, f"at TP {tp} one replica already takes {tp} of the {hw.gpu_count} GPU(s)"
-    return fit, (f"{hw.gpu_count} GPUs / TP {tp} = {fit} replicas behind fastgen.serve's load balancer, "
-                 "no communication between them (a pipeline runs one; pass replica_num=1 for MII's default)")
-
-
-def _choose_kv_memory(model: ModelFacts, hw: Hardware, dtype: torch.dtype, tp: int, room: int,
-                      max_seqs: int, block_size: int, user: int | float | None) -> tuple[int, str]:
-    """Bytes of KV cache per device: a share of what the weights and activations leave."""
-    per_token = model.kv_bytes(dtype, tp)
-    where = "RAM available" if hw.device_type == "cpu" else f"{GPU_MEMORY_FRACTION} of free GPU memory"
-    if isinstance(user, float):
-        kv, why = int(room * user), f"set by the user: {user} of the {format_bytes(room)} left after weights and activations"
-    elif isinstance(user, int):
-        if user > room:
-            raise ValueError(f"kv_cache_memory {format_bytes(user)} exceeds the {format_bytes(room)} of {where} left after "
-                             "weights and activations")
-        kv, why = user, "set by the user"
-    else:
-        full_len = -(-model.max_position_embeddings // block_size) * block_size
-        useful = max_seqs * full_len * per_token
-        share = CPU_KV_RAM_FRACTION if hw.device_type == "cpu" else 1.0
-        kv = min(int(room * share), useful)
-        what = (f"{CPU_KV_RAM_FRACTION} of the {format_bytes(room)} of RAM left after weights and activations (shared machine)"
-                if hw.device_type == "cpu" else f"{where} minus weights and activations")
-        capped = f", capped at {max_seqs} full-length sequences" if kv == useful else ""
-        why = f"{what}{capped}: {kv // per_token:,} tokens at {per_token:,} B/token{_sliding_layers_note(model)}"
-    if kv < block_size * per_token:
-        raise ValueError(f"kv_cache_memory {kv} bytes holds no {block_size}-token block ({block_size * per_token} bytes)")
-    return kv, why
-
-
-def _sliding_layers_note(model: ModelFacts) -> str:
-    """What the B/token of a model with sliding-window layers counts: their K/V of every token, as the
-    runner allocates it (one block table serves all layers, so a block holds every layer's K/V)."""
-    windows = [w for w in model.config.layer_sliding_windows if w]
-    if not windows:
-        return ""
-    sizes = "/".join(str(w) for w in sorted(set(windows)))
-    return (f"; its sliding-window layers ({len(windows)} of {model.num_layers}, window {sizes}) are cached in "
-            "full, every token, as the full layers are: prefix-cache hits and preemption's recompute reuse whole "
-            "blocks of all layers, so no block is freed once it falls outside the window (freeing those is a follow-up)")
 
 
 # Checks -----------------------------------------------------------------------------------------
