@@ -2,16 +2,19 @@
 directly with as many replicas, on the same host, with the same OpenAI requests.
 
     python scripts/bench_ray.py [--model DIR] [--requests 48] [--concurrency 8] [--max-tokens 64]
-        [--repeats 2] [--stream-interval-ms MS]
+        [--repeats 2] [--stream-interval-ms MS] [--engine-threads 2]
 
 Each configuration serves the model (default: the bundled demo model) with the same engine settings
 and gets the same load: `--requests` completions of `--max-tokens` tokens each (`ignore_eos`, greedy),
 `--concurrency` at a time, streamed (server-sent events) and not, each mode `--repeats` times with
 the configurations alternating within a round. Figures: generated tokens per second of wall time
 (median over the repeats) and the proxy's overhead, 1 - Ray's tok/s / direct's with the same number
-of replicas. The machine's 2 cores are split evenly among the engines, the same way on both sides:
-one replica has 2 threads (`OMP_NUM_THREADS=2`; a Serve replica `num_cpus=2`), two have one core
-each (`OMP_NUM_THREADS=1`, `num_cpus=1`). The direct server with one replica steps its engine on the
+of replicas. `--engine-threads` (default: the machine's 2 cores) are split evenly among the engines,
+the same way on both sides: one replica has them all (`OMP_NUM_THREADS=2`; a Serve replica
+`num_cpus=2`), two have half each (`OMP_NUM_THREADS=1`, `num_cpus=1`); a replica count that would
+leave an engine without a thread is skipped. With fewer engine threads than cores
+(`--engine-threads 1`), the servers' own threads, Ray's processes and the load generator run on a
+core of their own, as on a host with cores to spare beside the engines. The direct server with one replica steps its engine on the
 process's main thread (`--replica-num 1`, whatever the policy would plan); with two it runs
 fastgen's single-host router in front of two replica processes (`--replica-num 2`). A Serve replica
 builds and steps its engine on one thread of the actor (`EngineLoop.start`). `--stream-interval-ms`
@@ -42,7 +45,7 @@ from bench_common import free_port  # noqa: E402
 ENGINE = {"progress": False}
 """Engine options of every Serve configuration (the direct server gets the same through `--no-progress`)."""
 CORES = 2
-"""The cores the configurations share: Ray's cluster has this many CPUs, the direct server this many threads."""
+"""The machine's cores: Ray's cluster has this many CPUs."""
 
 
 async def _load(base: str, model: str, requests: int, concurrency: int, max_tokens: int, stream: bool) -> dict:
@@ -91,14 +94,14 @@ def _replicas(replicas: int) -> str:
 class Direct:
     """`scripts/serve.py --enable-restful-api --replica-num N` in its own process."""
 
-    def __init__(self, model: str | None, replicas: int) -> None:
+    def __init__(self, model: str | None, replicas: int, threads: int) -> None:
         port, self.rest_port = free_port(), free_port()
         self.name = f"direct serve.py, {_replicas(replicas)}"
         # The cores split as among Serve's replicas (the policy could plan another replica count).
         argv = [sys.executable, os.path.join(REPO, "scripts", "serve.py"), "--port", str(port), "--enable-restful-api",
                 "--restful-api-port", str(self.rest_port), "--deployment-name", "bench-ray-direct", "--no-progress",
                 "--replica-num", str(replicas)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(CORES // replicas)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads // replicas)}
         self.proc = subprocess.Popen(argv + (["--model", model] if model else []), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
         # Read its log all along, so a full pipe never blocks the server.
@@ -123,15 +126,14 @@ class Direct:
 class RayApp:
     """`build_app` with `replicas` replicas, behind Serve's proxy on `url`."""
 
-    def __init__(self, url: str, model: str | None, replicas: int, engine: dict) -> None:
+    def __init__(self, url: str, model: str | None, replicas: int, threads: int, engine: dict) -> None:
         from ray import serve
 
         from fastgen.serving.ray_app import build_app
 
-        threads = str(CORES // replicas)
         options = {**engine, "num_replicas": replicas, "deployment_name": "bench-ray",
-                   "ray_actor_options": {"num_cpus": CORES / replicas,
-                                         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}}}
+                   "ray_actor_options": {"num_cpus": threads / replicas,
+                                         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads // replicas)}}}}
         if model:
             options["model"] = model
         self.name = f"Ray Serve, {_replicas(replicas)}"
@@ -154,6 +156,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--stream-interval-ms", type=float, default=None,
                         help="the Ray app's stream_interval_ms (default: build_app's own)")
+    parser.add_argument("--engine-threads", type=int, default=CORES,
+                        help=f"threads all engines share (default: the machine's {CORES} cores); fewer leaves the "
+                             "servers and Ray a core of their own")
     parser.add_argument("--out", default=os.path.join(REPO, "bench_results", "bench_ray.json"))
     args = parser.parse_args()
 
@@ -162,6 +167,11 @@ def main() -> None:
 
     from fastgen.engine import DEMO_MODEL_DIR
 
+    if not 1 <= args.engine_threads <= CORES:
+        parser.error(f"--engine-threads must be 1..{CORES}")
+    replica_counts = [n for n in (1, 2) if args.engine_threads // n >= 1]
+    for n in sorted({1, 2} - set(replica_counts)):
+        print(f"{_replicas(n)}: skipped, {args.engine_threads} engine thread(s) cannot give each replica one")
     engine = dict(ENGINE)
     if args.stream_interval_ms is not None:
         engine["stream_interval_ms"] = args.stream_interval_ms
@@ -176,8 +186,11 @@ def main() -> None:
     try:
         for _ in range(args.repeats):
             # Each configuration alone on the machine: the others are stopped before it starts.
-            for make in (lambda: Direct(args.model, 1), lambda: RayApp(proxy, args.model, 1, engine),
-                         lambda: Direct(args.model, 2), lambda: RayApp(proxy, args.model, 2, engine)):
+            threads = args.engine_threads
+            makers = [make for n in replica_counts
+                      for make in (lambda n=n: Direct(args.model, n, threads),
+                                   lambda n=n: RayApp(proxy, args.model, n, threads, engine))]
+            for make in makers:
                 server = make()
                 try:
                     for stream in (False, True):
