@@ -416,6 +416,21 @@ def test_kernels_failing_together_log_one_line(tmp_path, kernel_isa):
     assert done.stderr.count("stay on the torch path") == 1, done.stderr[-2000:]
 
 
+def test_a_killed_build_leaves_nothing_to_wait_on(tmp_path, kernel_isa):
+    """torch's build lock as a build killed midway leaves it (a fresh `lock` file in the build directory): the next
+    process builds and loads the kernel instead of waiting on it forever."""
+    code = f"""
+        import os
+        from fastgen.ops.cpu_kernels import build_dir, kernel_op
+        directory = build_dir({kernel_isa!r}, "bf16_matmul")
+        os.makedirs(directory)
+        open(os.path.join(directory, "lock"), "w").close()
+        print(kernel_op("bf16_matmul", {kernel_isa!r}) is not None, os.path.exists(os.path.join(directory, "lock")))
+    """
+    done = _run_python(code, FASTGEN_CACHE=str(tmp_path / "cache"))
+    assert done.returncode == 0 and done.stdout.split() == ["True", "False"], done.stderr[-2000:]
+
+
 def test_second_process_reuses_the_build(kernel_isa):
     """A later process loads the cached library: nothing under the build directory is rewritten."""
     directory = build_dir(kernel_isa, "paged_decode")

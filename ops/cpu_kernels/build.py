@@ -13,13 +13,14 @@ error) the caller gets None and one log line per variant, and every kernel's cal
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -61,16 +62,20 @@ def build_dir(isa: str, name: str) -> str:
     return os.path.join(kernels_dir(), f"{isa}-{name}-{digest.hexdigest()[:16]}")
 
 
-# A build takes well under a minute; a lock older than this was left by a process killed mid-build.
-_STALE_LOCK_S = 600
-
-
-def _drop_stale_lock(directory: str) -> None:
-    """Remove the build lock of a killed build: torch's FileBaton would wait on it forever."""
-    lock = os.path.join(directory, "lock")
-    with contextlib.suppress(OSError):
-        if time.time() - os.path.getmtime(lock) > _STALE_LOCK_S:
-            os.remove(lock)
+@contextlib.contextmanager
+def _directory_lock(directory: str) -> Iterator[None]:
+    """Held by the one process that builds or loads the library in `directory`: an `flock`, which the OS releases
+    when its holder dies. torch's own build lock (a `lock` file it waits on until it is removed) stays behind when
+    a build is killed, and every later process would wait on it forever; under this lock no other process is
+    building here, so any such file is a dead build's and is removed."""
+    with open(os.path.join(directory, "fastgen.flock"), "a", encoding="utf-8") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, "lock"))
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @functools.cache
@@ -107,11 +112,12 @@ def _load_once(name: str, isa: str) -> bool:
         import torch.utils.cpp_extension  # noqa: PLC0415 - setuptools and friends, only when a kernel is built
 
         os.makedirs(directory, exist_ok=True)
-        _drop_stale_lock(directory)
-        torch.utils.cpp_extension.load(name=f"fastgen_{name}_{isa}", sources=[_source(name)],
-                                       extra_cflags=[*ISA_FLAGS[isa], f"-DFASTGEN_ISA={isa}"],
-                                       extra_include_paths=[os.path.dirname(HEADERS[0])], extra_ldflags=["-fopenmp"],
-                                       build_directory=directory, is_python_module=False)
+        with _directory_lock(directory):
+            torch.utils.cpp_extension.load(name=f"fastgen_{name}_{isa}", sources=[_source(name)],
+                                           extra_cflags=[*ISA_FLAGS[isa], f"-DFASTGEN_ISA={isa}"],
+                                           extra_include_paths=[os.path.dirname(HEADERS[0])],
+                                           extra_ldflags=["-fopenmp"], build_directory=directory,
+                                           is_python_module=False)
     except Exception as exc:  # noqa: BLE001 - any failure to build means the torch path, never an error
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         _unavailable(isa, lines[0])
