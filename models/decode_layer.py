@@ -3,13 +3,14 @@ and its fixed arguments where it can.
 
 The op computes exactly one block shape: `h + attn(norm1(h))`, then `+ down(silu(gate) * up)(norm2(.))`, with
 RMSNorms, a merged q/k/v (its bias and per-head q/k RMSNorms optional: Qwen2, Qwen3), no query prescaling, NeoX
-rotary from one cos/sin cache (or none), and every linear on fastgen's int4, Q8_0 or bf16-tile CPU kernel on one
-rank. Anything else (another norm or activation, another bias, LoRA, tensor parallelism, LongRoPE's two factor
+rotary from one cos/sin cache (or none), and every linear on fastgen's int4, Q8_0, bf16-tile or fp32-tile CPU
+kernel on one rank. Anything else (another norm or activation, another bias, LoRA, tensor parallelism, LongRoPE's two factor
 sets, torch's int4 kernel) keeps the layer's own forward; the reason says which part.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -18,7 +19,7 @@ from fastgen.models.layers import GatedMLP, RMSNorm
 from fastgen.models.packed import PackedLinear
 from fastgen.models.quant import QuantizedLinear
 from fastgen.models.rope import RotaryEmbedding
-from fastgen.ops.cpu_kernels.decode_layer import BF16_KIND, Q8_0_KIND, DecodeLayerWeights
+from fastgen.ops.cpu_kernels.decode_layer import BF16_KIND, F32_KIND, Q8_0_KIND, TILE_KINDS, DecodeLayerWeights
 from fastgen.ops.cpu_kernels.q8 import TILE as Q8_TILE
 from fastgen.ops.gemv import GEMV_MAX_ROWS
 
@@ -33,10 +34,10 @@ def _linear(name: str, linear: nn.Module, bias: bool = False) -> tuple[tuple, in
     if type(linear) is PackedLinear:
         tiles = linear.gemv_weight
         if tiles is None or tiles.dim() != 2:
-            return f"{name} is a packed linear without bf16 tiles for fastgen's C++ kernel (gemv_weights)"
-        return (tiles, tiles), BF16_KIND
+            return f"{name} is a packed linear without bf16 or fp32 tiles for fastgen's C++ kernels (gemv_weights)"
+        return (tiles, tiles), BF16_KIND if tiles.dtype == torch.bfloat16 else F32_KIND
     if type(linear) is not QuantizedLinear:
-        return f"{name} is a {type(linear).__name__}, not an int4/int8/bf16-tiled linear on fastgen's C++ kernels"
+        return f"{name} is a {type(linear).__name__}, not an int4/int8/tiled linear on fastgen's C++ kernels"
     if linear.kernel not in _KINDS:
         return f"{name} runs the {linear.kernel or 'unloaded'} kernel, not fastgen's int4 or Q8_0 one"
     if linear.kernel == "int8_q8_0":
@@ -82,4 +83,4 @@ def pre_norm_decode_weights(input_norm: nn.Module, attn: nn.Module, post_norm: n
         head_eps=float(head_norms[0].eps) if head_norms else 0.0,
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, eps=float(input_norm.eps),
         scale=float(attn.scale), sliding_window=int(attn.sliding_window or 0), softcap=float(attn.softcap),
-        **({"max_rows": GEMV_MAX_ROWS} if BF16_KIND in kinds else {}))
+        **({"max_rows": GEMV_MAX_ROWS} if set(TILE_KINDS) & set(kinds) else {}))

@@ -19,16 +19,18 @@ against 19.6 GB/s for `torch.sum` over 256 MiB. From eight rows on the packed ke
 its lead grows with the rows, so `GEMV_MAX_ROWS` is 4. The sums run in another order than
 `F.linear`'s: results differ by fp32 rounding only.
 
-bf16 weights take fastgen's C++ kernel instead where it builds (`fastgen.ops.cpu_kernels.bf16`: 16 output
-columns interleaved, pair dots in per-column lanes): ~31 GB/s over SmolLM2-135M's 30 layers on a 2-core EPYC
-with AVX512-BF16, against ~18 for oneDNN's packed kernel and ~10 for ATen's `mv`.
+bf16 and fp32 weights take fastgen's C++ kernels instead where they build (`fastgen.ops.cpu_kernels.bf16`
+and `.f32`: 16 output columns interleaved, each column's sum in its own lane): bf16 ~31 GB/s over
+SmolLM2-135M's 30 layers on a 2-core EPYC with AVX512-BF16, against ~18 for oneDNN's packed kernel and ~10 for
+ATen's `mv`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fastgen.ops.cpu_kernels.bf16 import bf16_matmul_op, bf16_layout_blocker, pack_bf16
+from fastgen.ops.cpu_kernels.bf16 import bf16_layout_blocker, bf16_matmul_op, pack_bf16
+from fastgen.ops.cpu_kernels.f32 import f32_layout_blocker, f32_matmul_op, pack_f32
 
 GEMV_MAX_ROWS = 4
 """Inputs of at most this many rows take the grouped GEMV (`gemv_linear`); more rows are a GEMM."""
@@ -57,25 +59,33 @@ def group_weight(weight: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def gemv_weight(weight: torch.Tensor, threads: int) -> torch.Tensor:
-    """The form of `weight` `[N, K]` that `gemv_linear` multiplies: for bf16 where fastgen's C++ kernel runs, a copy
-    in its tiles (`pack_bf16`, 2-D: it reads ~31 GB/s where ATen's `mv` read ~10 on a 2-core EPYC, SmolLM2-135M's
-    shapes); otherwise `group_weight` over `threads` cores (a view)."""
+    """The form of `weight` `[N, K]` that `gemv_linear` multiplies: for bf16 and fp32 where fastgen's C++ kernel
+    runs, a copy in its tiles (`pack_bf16`, `pack_f32`; 2-D: bf16 read ~31 GB/s where ATen's `mv` read ~10 on a
+    2-core EPYC, SmolLM2-135M's shapes); otherwise `group_weight` over `threads` cores (a view)."""
     if bf16_layout_blocker(weight) is None and bf16_matmul_op() is not None:
         return pack_bf16(weight)
+    if f32_layout_blocker(weight) is None and f32_matmul_op() is not None:
+        return pack_f32(weight)
     return group_weight(weight.detach(), gemv_groups(weight.shape[0], threads))
 
 
+def tiles_op(tiles: torch.Tensor) -> torch._ops.OpOverload:
+    """The C++ kernel that multiplies `gemv_weight`'s tiles of this dtype; RuntimeError where it is off or failed to
+    build since the tiles were made."""
+    op = bf16_matmul_op() if tiles.dtype == torch.bfloat16 else f32_matmul_op()
+    if op is None:
+        raise RuntimeError(f"{tiles.dtype} tiles need fastgen's C++ CPU kernels, which are off or failed to build "
+                           "since the engine started (FASTGEN_CPU_KERNELS)")
+    return op
+
+
 def gemv_linear(x: torch.Tensor, grouped_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ W.T (+ bias)` over the last dimension of `x`, `W` given as `gemv_weight(W)`: bf16 tiles on the C++
-    kernel, or `group_weight(W, groups)`, one `bmm` whose batch entries (output row slices) the CPU runs on
+    """`x @ W.T (+ bias)` over the last dimension of `x`, `W` given as `gemv_weight(W)`: bf16 or fp32 tiles on the
+    C++ kernel, or `group_weight(W, groups)`, one `bmm` whose batch entries (output row slices) the CPU runs on
     separate cores."""
     if grouped_weight.dim() == 2:
-        op = bf16_matmul_op()
-        if op is None:
-            raise RuntimeError("bf16 tiles need fastgen's C++ CPU kernels, which are off or failed to build since "
-                               "the engine started (FASTGEN_CPU_KERNELS)")
         flat = x.reshape(-1, x.shape[-1])
-        out = op(flat if flat.stride(-1) == 1 else flat.contiguous(), grouped_weight)
+        out = tiles_op(grouped_weight)(flat if flat.stride(-1) == 1 else flat.contiguous(), grouped_weight)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
     groups, rows_per_group, in_features = grouped_weight.shape

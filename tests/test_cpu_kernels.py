@@ -511,9 +511,10 @@ def test_plan_names_the_kernel_and_its_isa(smollm2_facts, monkeypatch):
 
 
 def test_a_runner_builds_the_kernels_its_plan_uses(kernel_isa, tiny_checkpoints, monkeypatch):
-    """`plan_kernels` names what a plan calls (no LoRA kernel without LoRA, the int4 and Q8_0 head kernels for an
-    int4 plan); `prebuild` loads them on threads the first callers then find done; an unknown kernel is refused by
-    name; with the kernels off nothing is started."""
+    """`plan_kernels` names what a plan calls (no LoRA kernel without LoRA, the fp32 tiles' kernel for an fp32 plan
+    with `gemv_weights` and none without, the int4 and Q8_0 head kernels for an int4 plan); `prebuild` loads them
+    on threads the first callers then find done; an unknown kernel is refused by name; with the kernels off
+    nothing is started."""
     from fastgen.executor.runner import plan_kernels
     from fastgen.ops.cpu_kernels import KERNELS, prebuild
 
@@ -521,7 +522,8 @@ def test_a_runner_builds_the_kernels_its_plan_uses(kernel_isa, tiny_checkpoints,
     hardware = Hardware("cpu", 2, frozenset({"avx2", "avx512f", "avx512_bf16"}), "AVX512", 24 << 30,
                         cpp_compiler="c++")
     fp32 = plan_kernels(make_plan(facts, hardware, dtype="float32"))
-    assert fp32 == ("paged_decode",)
+    assert fp32 == ("paged_decode", "f32_matmul", "decode_layer")
+    assert plan_kernels(make_plan(facts, hardware, dtype="float32", gemv_weights=False)) == ("paged_decode",)
     int4 = plan_kernels(make_plan(facts, hardware, dtype="float32", quantization="int4", quantization_group_size=64))
     assert set(int4) == {"paged_decode", "q4_matmul", "q8_matmul", "decode_layer"} and set(int4) <= set(KERNELS)
     monkeypatch.setenv(ENV_VAR, kernel_isa)

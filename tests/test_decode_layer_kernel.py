@@ -128,7 +128,7 @@ def test_engine_greedy_with_the_op_equals_without(tiny_checkpoints, monkeypatch)
 
 @pytest.mark.parametrize("model_type,quantization,group,reason", [
     ("qwen3", "int4", 32, "runs the int4_cpu kernel"),
-    ("llama", "none", 64, "not an int4/int8/bf16-tiled linear"),
+    ("llama", "none", 64, "not an int4/int8/tiled linear"),
     ("granite", "int8", 64, "has its own forward"),  # residual and embedding multipliers
     ("olmo2", "int8", 64, "has no C++ decode-layer form"),  # post-norms
 ])
@@ -152,7 +152,7 @@ def test_plan_chooses_and_refuses(tiny_checkpoints):
     facts, hardware = model_facts(tiny_checkpoints["llama"]), detect_hardware()
     on = make_plan(facts, hardware, dtype="float32", quantization="int4", quantization_group_size=64)
     assert on.decode_layer_kernel and "one C++ call" in on.reasons["decode_layer_kernel"]
-    off = make_plan(facts, hardware, dtype="float32")
+    off = make_plan(facts, hardware, dtype="float32", gemv_weights=False)
     assert not off.decode_layer_kernel and "neither" in off.reasons["decode_layer_kernel"]
     torch_attention = make_plan(facts, hardware, quantization="int8", attention_backend="torch")
     assert not torch_attention.decode_layer_kernel

@@ -11,6 +11,7 @@ import transformers
 import fastgen
 from fastgen.models.loader import load_model
 from fastgen.models.packed import PackedLinear, PackedLMHead, prepack_linears
+from fastgen.ops.cpu_kernels import ENV_VAR
 from fastgen.ops.gemv import GEMV_MAX_ROWS, gemv_groups, gemv_linear, group_weight
 from fastgen.ops.packed_linear import prepack_available
 from fastgen.planning.policy import make_plan
@@ -60,8 +61,11 @@ def test_groups_divide_the_output_rows():
 
 @pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN")
 def test_packed_layers_take_the_gemv_for_a_few_rows_only(tiny_checkpoints, monkeypatch):
+    """fp32 weights grouped over the cores, as where fastgen's C++ kernels are off (where they build, fp32 weights
+    take their tiles: tests/test_cpu_f32_linear.py)."""
     import fastgen.ops.packed_linear as packed_module
 
+    monkeypatch.setenv(ENV_VAR, "off")
     path = tiny_checkpoints["llama"]  # an untied head: kept only with gemv=True
     plain = load_model(path, dtype=torch.float32, progress=False).model
     model = load_model(path, dtype=torch.float32, progress=False).model
@@ -80,7 +84,8 @@ def test_packed_layers_take_the_gemv_for_a_few_rows_only(tiny_checkpoints, monke
 
 
 @pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN")
-def test_gemv_weights_only_when_asked_and_a_tied_head_is_a_view(tiny_checkpoints):
+def test_gemv_weights_only_when_asked_and_a_tied_head_is_a_view(tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "off")  # the grouped view (the C++ kernels' tiles are copies)
     tied = load_model(tiny_checkpoints["qwen2"], dtype=torch.float32, progress=False).model
     assert tied.config.tie_word_embeddings
     prepack_linears(tied, gemv=True, threads=2)
@@ -95,7 +100,10 @@ def test_gemv_weights_only_when_asked_and_a_tied_head_is_a_view(tiny_checkpoints
 
 @pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied head; tied head and biased q/k/v
-def test_engine_with_gemv_weights_equals_hf(family, tiny_checkpoints):
+@pytest.mark.parametrize("kernels", ["default", "off"])  # fp32 tiles and the decode-layer op; the grouped bmm
+def test_engine_with_gemv_weights_equals_hf(family, kernels, tiny_checkpoints, monkeypatch):
+    if kernels == "off":
+        monkeypatch.setenv(ENV_VAR, "off")
     path = tiny_checkpoints[family]
     # Mixed lengths, one prompt alone (batch-1 decode, all GEMVs) then seven together (GEMMs and GEMVs).
     prompts = [[(5 * i + 11 * j) % 300 + 7 for j in range(n)] for i, n in enumerate([9, 1, 4, 13, 2, 30, 6, 17])]
@@ -103,6 +111,7 @@ def test_engine_with_gemv_weights_equals_hf(family, tiny_checkpoints):
     with fastgen.pipeline(path, dtype="float32", weight_prepack=True, gemv_weights=True, token_budget=32,
                           max_seqs=8, progress=False) as pipe:
         assert pipe.engine.plan.gemv_weights is True
+        assert kernels == "default" or not pipe.engine.plan.decode_layer_kernel
         got = [pipe([prompts[0]], max_new_tokens=8, **GREEDY)[0].token_ids]
         got += [r.token_ids for r in pipe(prompts[1:], max_new_tokens=8, **GREEDY)]
     assert got == expected

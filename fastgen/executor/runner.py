@@ -83,6 +83,7 @@ def plan_kernels(plan: Plan) -> tuple[str, ...]:
               "q4_matmul": plan.quantization == "int4" and plan.quantization_group_size % Q4_CHUNK == 0,
               "q8_matmul": plan.quantization == "int8" or plan.lm_head_quantization == "q8_0",
               "bf16_matmul": plan.gemv_weights and plan.dtype == torch.bfloat16,
+              "f32_matmul": plan.gemv_weights and plan.dtype == torch.float32,
               "decode_layer": plan.decode_layer_kernel,
               "lora_delta": plan.enable_lora}
     return tuple(name for name, used in wanted.items() if used)

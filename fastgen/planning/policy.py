@@ -22,8 +22,8 @@ from fastgen.planning.choices.cpu_kernels import (adaptive_threads_blocker, choo
                                                   choose_cpu_attention, choose_decode_layer_kernel,
                                                   decode_layer_blocker, int4_kernel_reason, quantized_kernel_blocker)
 from fastgen.planning.choices.kv_cache import choose_kv_memory, choose_kv_prefault
-from fastgen.planning.choices.linears import (bf16_tiles, choose_compile, choose_gemv_weights, choose_weight_prepack,
-                                              gemv_copy_bytes, prepack_blocker)
+from fastgen.planning.choices.linears import (choose_compile, choose_gemv_weights, choose_weight_prepack,
+                                              gemv_copy_bytes, kernel_tiles, prepack_blocker)
 from fastgen.planning.choices.lm_head import choose_lm_head_quantization, q8_head_bytes
 from fastgen.planning.choices.lora import choose_lora
 from fastgen.planning.choices.offload import OFFLOAD_MAX_TOKEN_BUDGET, OffloadChoice, choose_offload
@@ -139,7 +139,7 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
         if not prepack:
             raise ValueError("gemv_weights=True needs weight_prepack: without it every linear already keeps its "
                              "plain weight")
-        copy = gemv_copy_bytes(model, dtype, bf16_tiles(hardware, dtype))
+        copy = gemv_copy_bytes(model, dtype, kernel_tiles(hardware, dtype))
         weights += copy
         if "gemv_weights" in user:
             reasons["gemv_weights"] += f"; the copies take {format_bytes(copy)} more"
@@ -167,8 +167,8 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
                                                                   max_seqs)
     grammar = pick("structured_outputs_backend", _choose_structured_outputs_backend)
     prefault = pick("kv_prefault", lambda: choose_kv_prefault(hardware))
-    layer_blocker = decode_layer_blocker(attention, quant, gemv and dtype == torch.bfloat16, tp, stream.offload,
-                                         lora.enable_lora)
+    tiles = gemv and kernel_tiles(hardware, dtype)
+    layer_blocker = decode_layer_blocker(attention, quant, tiles, tp, stream.offload, lora.enable_lora)
     decode_layer = pick("decode_layer_kernel", lambda: choose_decode_layer_kernel(layer_blocker))
     if decode_layer and layer_blocker is not None:
         raise ValueError(f"decode_layer_kernel=True cannot apply: {layer_blocker}")

@@ -30,7 +30,7 @@ from fastgen.ops.cpu_kernels.isa import ISA_FLAGS, cpu_kernel_isa
 
 logger = logging.getLogger("fastgen")
 
-KERNELS = ("paged_decode", "lora_delta", "q8_matmul", "q4_matmul", "bf16_matmul", "decode_layer")
+KERNELS = ("paged_decode", "lora_delta", "q8_matmul", "q4_matmul", "bf16_matmul", "f32_matmul", "decode_layer")
 """The kernels, each the source `<name>.cpp` built into its own library (its ops are `fastgen::<name>_<isa>`;
 `decode_layer` calls the others' ops, which their own users load)."""
 

@@ -4,16 +4,16 @@
 //
 // At batch 1 a layer's kernels take ~130 us and the compiled graph that calls them as much again in Python: its
 // guards, its size arguments and Inductor's wrapper (2-core EPYC, SmolLM2-135M int4: 300 us a layer, 30 layers a
-// token). Here the same kernels (q4_matmul / q8_matmul / bf16_matmul for the linears, paged_decode for the
-// attention and its KV write) are called from C++ through torch's dispatcher, and the glue between them is plain
-// loops. Each rounding to the activations' dtype happens where the layer's torch forward rounds (RMSNorm's cast
-// before its weight, the rotary's products and sum, SiLU before the product), so the result is the eager layer's
-// to within the order of fp32 sums.
+// token). Here the same kernels (q4_matmul / q8_matmul / bf16_matmul / f32_matmul for the linears, paged_decode
+// for the attention and its KV write) are called from C++ through torch's dispatcher, and the glue between them
+// is plain loops. Each rounding to the activations' dtype happens where the layer's torch forward rounds
+// (RMSNorm's cast before its weight, the rotary's products and sum, SiLU before the product), so the result is
+// the eager layer's to within the order of fp32 sums.
 //
 // Linear "kinds": a positive kind is an int4 linear of that group size (packed, scales_zeros), 0 a Q8_0 one
-// (values, scales), -1 a bf16 one in bf16_matmul.cpp's tiles (the tiles, and an unused tensor). Built per ISA
-// variant (ops/cpu_kernels/isa.py) as a library of its own, which finds the sibling kernels' ops at their first
-// call (build.py).
+// (values, scales), -1 a bf16 one in bf16_matmul.cpp's tiles, -2 an fp32 one in f32_matmul.cpp's tiles (the
+// tiles, and an unused tensor). Built per ISA variant (ops/cpu_kernels/isa.py) as a library of its own, which
+// finds the sibling kernels' ops at their first call (build.py).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -40,7 +40,7 @@ namespace {
 
 using Q4Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 using Q8Fn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
-using Bf16Fn = at::Tensor(const at::Tensor&, const at::Tensor&);
+using TilesFn = at::Tensor(const at::Tensor&, const at::Tensor&);
 using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, double, int64_t, double, const std::optional<at::Tensor>&, int64_t,
@@ -60,8 +60,12 @@ const c10::TypedOperatorHandle<Q8Fn>& q8_op() {
   static const auto op = sibling<Q8Fn>(FASTGEN_OP_NAME("q8_matmul"));
   return op;
 }
-const c10::TypedOperatorHandle<Bf16Fn>& bf16_op() {
-  static const auto op = sibling<Bf16Fn>(FASTGEN_OP_NAME("bf16_matmul"));
+const c10::TypedOperatorHandle<TilesFn>& bf16_op() {
+  static const auto op = sibling<TilesFn>(FASTGEN_OP_NAME("bf16_matmul"));
+  return op;
+}
+const c10::TypedOperatorHandle<TilesFn>& f32_op() {
+  static const auto op = sibling<TilesFn>(FASTGEN_OP_NAME("f32_matmul"));
   return op;
 }
 const c10::TypedOperatorHandle<AttentionFn>& attention_op() {
@@ -78,7 +82,9 @@ inline float rnd(float v) {
 // x @ W^T `[M, N]` in x's dtype for a linear of `kind` whose weight is the pair (a, b).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, int64_t kind) {
   if (kind > 0) return q4_op().call(x, a, b, kind);
-  if (kind < 0) return bf16_op().call(x, a);
+  if (kind == -1) return bf16_op().call(x, a);
+  if (kind == -2) return f32_op().call(x, a);
+  TORCH_CHECK(kind == 0, "unknown linear kind ", kind);
   at::Tensor out = at::empty({x.size(0), a.size(0) * 16}, x.options().dtype(at::kFloat));  // whole tiles
   q8_op().call(out, x, a, b);
   return out.to(x.scalar_type());
@@ -243,7 +249,8 @@ at::Tensor run(const at::Tensor& hidden, const Layer& l, const Step& s) {
 }
 
 // The op. weights: input_layernorm.weight, qkv_proj (2 tensors), o_proj (2), post_attention_layernorm.weight,
-// gate_up_proj (2), down_proj (2); kinds: one per linear (int4 group size, 0 for Q8_0, -1 for bf16 tiles).
+// gate_up_proj (2), down_proj (2); kinds: one per linear (int4 group size, 0 for Q8_0, -1 for bf16 tiles, -2 for
+// fp32 tiles).
 // cos_sin: the rotary cache `[positions, rotary_dim]` fp32 (cos then sin), none for a layer without rotary.
 // qkv_bias: q/k/v's bias (none: no bias); q_norm, k_norm: per-head RMSNorm weights `[head_dim]` (with `head_eps`)
 // applied before the rotary (none: no head norms). The attention arguments are fastgen::paged_attention's; every

@@ -4,7 +4,7 @@ At batch 1 a layer's kernels are about half its time; the other half is the Pyth
 the layer runs (a compiled graph's guards and wrapper, or eager op calls). This op runs the whole layer
 (RMSNorm, q/k/v with its bias, per-head q/k RMSNorms, rotary, the paged attention with its KV write, output
 projection, residual, RMSNorm, gate/up, SiLU-and-mul, down, residual) from C++, calling the same kernels:
-fastgen's int4, Q8_0 or bf16-tile linears and its paged decode attention. The model decides which layers it can take (`DecodeLayerWeights`); a step
+fastgen's int4, Q8_0, bf16-tile or fp32-tile linears and its paged decode attention. The model decides which layers it can take (`DecodeLayerWeights`); a step
 takes it where the attention kernel serves every row (`DecodeLayerStep`).
 """
 
@@ -24,6 +24,12 @@ linear's kind is its group size (packed and scales_zeros in `fastgen.ops.cpu_ker
 BF16_KIND = -1
 """The kind of a bf16 linear in `fastgen.ops.cpu_kernels.bf16`'s tiles (the tiles, then any tensor: unused)."""
 
+F32_KIND = -2
+"""The kind of an fp32 linear in `fastgen.ops.cpu_kernels.f32`'s tiles (the tiles, then any tensor: unused)."""
+
+TILE_KINDS = (BF16_KIND, F32_KIND)
+"""The kinds of linears in column tiles: GEMV kernels, which take steps of at most `GEMV_MAX_ROWS` rows."""
+
 MAX_ROWS = 16
 """Most tokens in a step the layer op takes: decode steps of up to that many sequences, verification rows,
 short prompt chunks. Larger steps keep the layer's own forward (compiled), whose per-call cost they amortise."""
@@ -37,7 +43,7 @@ class DecodeLayerWeights:
     """input_layernorm.weight, qkv_proj's two tensors, o_proj's two, post_attention_layernorm.weight,
     gate_up_proj's two, down_proj's two (each linear: int4 packed and scales_zeros, or Q8_0 values and scales)."""
     kinds: tuple[int, int, int, int]
-    """Per linear (qkv, o, gate_up, down): its int4 group size, or `Q8_0_KIND`."""
+    """Per linear (qkv, o, gate_up, down): its int4 group size, `Q8_0_KIND`, `BF16_KIND` or `F32_KIND`."""
     cos_sin: torch.Tensor | None
     """The rotary cache, fp32 `[positions, rotary_dim]` (cos then sin, NeoX rotate-half); None: no rotary."""
     qkv_bias: torch.Tensor | None
@@ -63,8 +69,8 @@ class DecodeLayerWeights:
     softcap: float
     """Soft-capping of the scores (0: none)."""
     max_rows: int = MAX_ROWS
-    """Most tokens a step may have for this layer to take the op: bf16 tiles are a GEMV kernel (each row a pass
-    of pair dots), which oneDNN's GEMM overtakes past a few rows."""
+    """Most tokens a step may have for this layer to take the op: bf16 and fp32 tiles are GEMV kernels (each row a
+    pass over the weight), which oneDNN's GEMM overtakes past a few rows."""
 
 
 def decode_layer_op() -> torch._ops.OpOverloadPacket | None:

@@ -48,15 +48,15 @@ def int4_kernel_reason(hw: Hardware, group_size: int) -> str:
     return f"int4 linears on torch's int4 kernel: fastgen's C++ one cannot run ({why})"
 
 
-def decode_layer_blocker(attention: str, quantization: str, bf16_tiles: bool, tensor_parallel: int, offload: str,
+def decode_layer_blocker(attention: str, quantization: str, tiles: bool, tensor_parallel: int, offload: str,
                          enable_lora: bool) -> str | None:
-    """Why a plan cannot run its decoder layers on the C++ decode-layer op (None: it can). `bf16_tiles`: the plan
-    keeps bf16 weights in fastgen's bf16 kernel layout (`gemv_weights` on a bf16 plan)."""
+    """Why a plan cannot run its decoder layers on the C++ decode-layer op (None: it can). `tiles`: the plan keeps
+    its bf16 or fp32 weights in the layout of fastgen's GEMV kernels (`gemv_weights` where they build)."""
     if attention != "cpu":
         return f"the op attends through fastgen's C++ CPU attention kernel, and the backend is {attention!r}"
-    if quantization == "none" and not bf16_tiles:
-        return ("the op multiplies int4/int8 linears, or bf16 ones in its bf16 kernel's tiles (gemv_weights), on "
-                "fastgen's kernels, and this plan's linears are neither")
+    if quantization == "none" and not tiles:
+        return ("the op multiplies int4/int8 linears, or bf16/fp32 ones in its GEMV kernels' tiles (gemv_weights), "
+                "on fastgen's kernels, and this plan's linears are neither")
     if tensor_parallel > 1:
         return "the op runs a whole layer on one rank, and the plan splits layers over tensor-parallel ranks"
     if offload != "none":
