@@ -31,9 +31,6 @@ namespace {
 #include "simd.h"
 #include "tiles.h"
 
-// Fewest weight bytes a thread takes: below it, waking another thread costs more than it saves.
-constexpr int64_t kMinThreadBytes = 64 * 1024;
-
 #if defined(__AVX512F__)
 inline vf even_values(vi w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
 inline vf odd_values(vi w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF0000))); }
@@ -95,12 +92,7 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& packed) {
   at::Tensor out = at::empty({rows, n}, x.options());
   const Problem p{k, n, x.data_ptr<c10::BFloat16>(), x.stride(0), packed.data_ptr<c10::BFloat16>(),
                   out.data_ptr<c10::BFloat16>()};
-  const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (kTileCols * k * 2));
-  at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t tile = lo; tile < hi; ++tile) {
-      row_groups(rows, [&]<int R>(int64_t m) { tile_rows<R>(p, m, tile); });
-    }
-  });
+  for_each_tile(tiles, kTileCols * k * 2, rows, [&]<int R>(int64_t m, int64_t tile) { tile_rows<R>(p, m, tile); });
   return out;
 }
 

@@ -27,9 +27,6 @@ namespace {
 #include "simd.h"
 #include "tiles.h"
 
-// Fewest weight bytes a thread takes: below it, waking another thread costs more than it saves.
-constexpr int64_t kMinThreadBytes = 64 * 1024;
-
 struct Problem {
   int64_t k, n;
   const float* x;  // [M, K], row stride x_stride
@@ -68,12 +65,7 @@ at::Tensor f32_matmul(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(packed.size(1) == k * kTileCols, "shapes do not match: the packed width must be K * 16");
   at::Tensor out = at::empty({rows, n}, x.options());
   const Problem p{k, n, x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), out.data_ptr<float>()};
-  const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (kTileCols * k * 4));
-  at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t tile = lo; tile < hi; ++tile) {
-      row_groups(rows, [&]<int R>(int64_t m) { tile_rows<R>(p, m, tile); });
-    }
-  });
+  for_each_tile(tiles, kTileCols * k * 4, rows, [&]<int R>(int64_t m, int64_t tile) { tile_rows<R>(p, m, tile); });
   return out;
 }
 

@@ -39,9 +39,6 @@ namespace {
 
 constexpr int64_t kChunk = 64;
 constexpr int64_t kChunkBytes = kChunk / 2 * kTileCols;  // one chunk of one tile
-// Fewest packed bytes a thread takes: below it, waking another thread costs more than it saves.
-constexpr int64_t kMinThreadBytes = 64 * 1024;
-
 #if defined(__AVX512F__)
 inline vi low_nibbles(vi p) { return _mm512_and_si512(p, _mm512_set1_epi8(0x0F)); }
 inline vi high_nibbles(vi p) { return _mm512_and_si512(_mm512_srli_epi16(p, 4), _mm512_set1_epi8(0x0F)); }
@@ -149,12 +146,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   at::Tensor out = at::empty({rows, n}, x.options());
   const Problem<T> p{k, groups, group, xq.data(), xs.data(), xsums.data(), packed.data_ptr<uint8_t>(),
                      scales_zeros.data_ptr<T>(), out.data_ptr<T>(), n};
-  const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (kTileCols * k / 2));
-  at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t tile = lo; tile < hi; ++tile) {
-      row_groups(rows, [&]<int R>(int64_t m) { tile_rows<R>(p, m, tile); });
-    }
-  });
+  for_each_tile(tiles, kTileCols * k / 2, rows, [&]<int R>(int64_t m, int64_t tile) { tile_rows<R>(p, m, tile); });
   return out;
 }
 

@@ -38,9 +38,6 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kBlockBytes = kBlock * kTileCols;  // one block of one tile
-// Fewest weight bytes a thread takes: below it, waking another thread costs more than it saves.
-constexpr int64_t kMinThreadBytes = 64 * 1024;
-
 #if defined(__AVX512F__)
 inline vf sum_to_float(vi a, vi b, int32_t correction) {
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(a, b), _mm512_set1_epi32(correction)));
@@ -150,12 +147,7 @@ void run(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
   }
   const Problem p{k, out.size(1), blocks, xq.data(), xs.data(), offsets.data(), packed.data_ptr<int8_t>(),
                   scales.data_ptr<c10::Half>(), out.data_ptr<float>(), out.stride(0)};
-  const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (kTileCols * k));
-  at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t tile = lo; tile < hi; ++tile) {
-      row_groups(rows, [&]<int R>(int64_t m) { tile_rows<R>(p, m, tile); });
-    }
-  });
+  for_each_tile(tiles, kTileCols * k, rows, [&]<int R>(int64_t m, int64_t tile) { tile_rows<R>(p, m, tile); });
 }
 
 void q8_matmul(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {

@@ -1,7 +1,8 @@
-// What the column-tile kernels (q4_matmul.cpp, q8_matmul.cpp, bf16_matmul.cpp) share: output columns in tiles of
-// 16 with one 32-bit lane per column, an integer vector of W such lanes, loads and 4-byte broadcasts into it, and
-// the walk over x's rows in groups of four (each load of a tile serves all of them). Every kernel source includes
-// this after simd.h, inside its own anonymous namespace.
+// What the column-tile kernels (q4_matmul.cpp, q8_matmul.cpp, bf16_matmul.cpp, f32_matmul.cpp) share: output
+// columns in tiles of 16 with one 32-bit lane per column, an integer vector of W such lanes, loads and 4-byte
+// broadcasts into it, the walk over x's rows in groups of four (each load of a tile serves all of them), and the
+// tiles' split over threads. Every kernel source includes this after simd.h and ATen/Parallel.h, inside its own
+// anonymous namespace.
 
 #pragma once
 
@@ -40,4 +41,19 @@ inline void row_groups(int64_t rows, Fn&& fn) {
     case 1: fn.template operator()<1>(m); break;
     default: break;
   }
+}
+
+// Fewest weight bytes a thread takes: below it, waking another thread costs more than it saves.
+constexpr int64_t kMinThreadBytes = 64 * 1024;
+
+// fn.template operator()<R>(m, tile) for every tile of `tiles` (each `tile_bytes` of weight) and every group of
+// x's `rows` (row_groups), the tiles split over torch's threads, at least kMinThreadBytes of weight to a thread.
+template <typename Fn>
+inline void for_each_tile(int64_t tiles, int64_t tile_bytes, int64_t rows, Fn&& fn) {
+  const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / tile_bytes);
+  at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t tile = lo; tile < hi; ++tile) {
+      row_groups(rows, [&]<int R>(int64_t m) { fn.template operator()<R>(m, tile); });
+    }
+  });
 }
