@@ -213,6 +213,10 @@ def test_client_going_away_aborts_and_frees_blocks(served, how, monkeypatch):
         abort(request_id)
 
     monkeypatch.setattr(served.backend.loop, "abort", spy)
+    # 480 one-token steps of the tiny model can end inside the 0.3 s deadline on a fast CPU: 2 ms more a step keeps
+    # the request generating when the client goes away, whatever the machine.
+    step = served.engine.step
+    monkeypatch.setattr(served.engine, "step", lambda: time.sleep(0.002) or step())
     request = _typed_request([[5, 6, 7] * 10], do_sample=False, ignore_eos=True, max_new_tokens=480)
     if how == "deadline":
         with pytest.raises(grpc.RpcError) as err:

@@ -321,8 +321,11 @@ def test_over_the_pending_limit_is_429(served, http, client):
     assert client.completions.create(model=MODEL, prompt=P2, max_tokens=2).usage.completion_tokens == 2
 
 
-def test_client_disconnect_aborts_and_frees_kv_blocks(served, http):
-    # 480 tokens take at least 480 steps; an aborted request stops long before.
+def test_client_disconnect_aborts_and_frees_kv_blocks(served, http, monkeypatch):
+    # 480 tokens take at least 480 steps; an aborted request stops long before. 2 ms more a step keeps them longer
+    # than the client's 0.5 s below, however fast the tiny model's steps are on this machine.
+    step = served.engine.step
+    monkeypatch.setattr(served.engine, "step", lambda: time.sleep(0.002) or step())
     aborted = _metric(http, "fastgen_sequences_finished_total", finish_reason="abort")
     steps = served.engine.stats()["num_steps"]
     body = {"model": MODEL, "prompt": P1, "max_tokens": 480, "stream": True}
