@@ -14,12 +14,13 @@ the same way on both sides: one replica has them all (`OMP_NUM_THREADS=2`; a Ser
 `num_cpus=2`), two have half each (`OMP_NUM_THREADS=1`, `num_cpus=1`); a replica count that would
 leave an engine without a thread is skipped. With fewer engine threads than cores
 (`--engine-threads 1`), the servers' own threads, Ray's processes and the load generator run on a
-core of their own, as on a host with cores to spare beside the engines. The direct server with one replica steps its engine on the
-process's main thread (`--replica-num 1`, whatever the policy would plan); with two it runs
-fastgen's single-host router in front of two replica processes (`--replica-num 2`). A Serve replica
-builds and steps its engine on one thread of the actor (`EngineLoop.start`). `--stream-interval-ms`
-sets the Ray app's `stream_interval_ms` (default: `build_app`'s). Everything listens on 127.0.0.1;
-the Ray cluster is local (`ray.init(num_cpus=2)`). JSON goes to `bench_results/bench_ray.json`.
+core of their own, as on a host with cores to spare beside the engines. The direct server with one
+replica steps its engine on the process's main thread (`--replica-num 1`, whatever the policy would
+plan); with two it runs fastgen's single-host router in front of two replica processes
+(`--replica-num 2`). A Serve replica builds and steps its engine on one thread of the actor
+(`EngineLoop.start`). `--stream-interval-ms` sets the Ray app's `stream_interval_ms` (default:
+`build_app`'s). Everything listens on 127.0.0.1; the Ray cluster is local (`ray.init(num_cpus=2)`).
+JSON goes to `bench_results/bench_ray.json`.
 """
 
 from __future__ import annotations
@@ -183,13 +184,13 @@ def main() -> None:
     model_id = args.model or os.path.basename(DEMO_MODEL_DIR)  # the id both servers list in /v1/models
 
     results: dict[str, dict[str, list[dict]]] = {}
+    threads = args.engine_threads
+    makers = [make for n in replica_counts
+              for make in (lambda n=n: Direct(args.model, n, threads),
+                           lambda n=n: RayApp(proxy, args.model, n, threads, engine))]
     try:
         for _ in range(args.repeats):
             # Each configuration alone on the machine: the others are stopped before it starts.
-            threads = args.engine_threads
-            makers = [make for n in replica_counts
-                      for make in (lambda n=n: Direct(args.model, n, threads),
-                                   lambda n=n: RayApp(proxy, args.model, n, threads, engine))]
             for make in makers:
                 server = make()
                 try:

@@ -135,11 +135,12 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
             weights += copy
             reasons["weight_prepack"] += f"; the tied LM head's packed copy takes {format_bytes(copy)} more"
     gemv = pick("gemv_weights", lambda: choose_gemv_weights(model, hardware, dtype, prepack))
+    tiles = gemv and kernel_tiles(hardware, dtype)  # the copies are the C++ GEMV kernels' tiles
     if gemv:
         if not prepack:
             raise ValueError("gemv_weights=True needs weight_prepack: without it every linear already keeps its "
                              "plain weight")
-        copy = gemv_copy_bytes(model, dtype, kernel_tiles(hardware, dtype))
+        copy = gemv_copy_bytes(model, dtype, tiles)
         weights += copy
         if "gemv_weights" in user:
             reasons["gemv_weights"] += f"; the copies take {format_bytes(copy)} more"
@@ -167,7 +168,6 @@ def make_plan(model: ModelFacts, hardware: Hardware, *, offline: bool = False, *
                                                                   max_seqs)
     grammar = pick("structured_outputs_backend", _choose_structured_outputs_backend)
     prefault = pick("kv_prefault", lambda: choose_kv_prefault(hardware))
-    tiles = gemv and kernel_tiles(hardware, dtype)
     layer_blocker = decode_layer_blocker(attention, quant, tiles, tp, stream.offload, lora.enable_lora)
     decode_layer = pick("decode_layer_kernel", lambda: choose_decode_layer_kernel(layer_blocker))
     if decode_layer and layer_blocker is not None:
